@@ -247,6 +247,16 @@ class Config(_Msg):
         "data": _str(MAX_TEXT_LEN),
     }
 
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> Config:
+        """Validate a plain run-config dict (e.g. from CLI/JSON) into a Config."""
+        if not isinstance(d, dict):
+            raise WireError(f"config must be a dict, got {type(d).__name__}")
+        return _from_fields(cls, d)  # type: ignore[return-value]
+
+    def to_dict(self) -> dict[str, Any]:
+        return {f.name: getattr(self, f.name) for f in fields(self)}
+
     def _check_cross(self) -> None:
         if self.width % self.heads:
             raise _fail(self.type, "heads", f"width {self.width} not divisible by {self.heads}")
@@ -392,15 +402,21 @@ def decode(data: bytes, max_len: int = MAX_MESSAGE) -> Message:
     cls = MESSAGE_TYPES.get(t)
     if cls is None:
         raise WireError(f"unknown message type {t[:40]!r}")
+    return _from_fields(cls, {k: v for k, v in obj.items() if k != "type"})  # type: ignore
+
+
+def _from_fields(cls: type[_Msg], obj: dict[str, Any]) -> _Msg:
+    """Build ``cls`` from a field dict, refusing missing and extra keys."""
+    t = cls.type
     names = [f.name for f in fields(cls)]  # type: ignore[arg-type]
-    keys = set(obj) - {"type"}
+    keys = set(obj)
     missing = [n for n in names if n not in keys]
     if missing:
         raise WireError(f"{t}: missing field(s) {', '.join(missing)}")
     extra = sorted(str(k)[:40] for k in keys - set(names))
     if extra:
         raise WireError(f"{t}: unexpected field(s) {', '.join(extra)}")
-    return cls(**{n: obj[n] for n in names})  # type: ignore[return-value]
+    return cls(**{n: obj[n] for n in names})
 
 
 # ----------------------------------------------------------------------------
@@ -419,6 +435,8 @@ def frame(msg_bytes: bytes, msg_id: int) -> list[bytes]:
     """Cut one encoded message into frames of at most MAX_FRAME bytes each."""
     if type(msg_id) is not int or not 0 <= msg_id <= MAX_U64:
         raise WireError(f"msg_id must be a u64, got {msg_id!r}")
+    if not isinstance(msg_bytes, (bytes, bytearray, memoryview)):
+        raise WireError(f"message must be bytes, got {type(msg_bytes).__name__}")
     data = bytes(msg_bytes)
     total = len(data)
     if not 1 <= total <= _MAX_TOTAL_FIELD:

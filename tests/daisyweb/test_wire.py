@@ -36,7 +36,15 @@ H = "ab" * 16
 SAMPLES = [
     Hello("peer-a", 1),
     Config(
-        width=64, layers=2, heads=4, seq=32, vocab=256, batch=8, steps=100, lr=3e-4, seed=7,
+        width=64,
+        layers=2,
+        heads=4,
+        seq=32,
+        vocab=256,
+        batch=8,
+        steps=100,
+        lr=3e-4,
+        seed=7,
         data="tiny",
     ),
     Snapshot(0, H, b"\x00\x01" * 100),
@@ -135,8 +143,18 @@ def test_decode_refuses_bad_fields(msg: wire.Message, changes: dict, needle: str
 
 @pytest.mark.parametrize(
     "data",
-    [b"", b"\xc1", b"\x92\x01\x02", _pack([1, 2]), _pack("hello"), b"\x81\xa4type", b"\xff" * 9,
-     encode(SAMPLES[0]) + b"\x00", _pack({1: 2}), _pack({"type": "hello", b"peer_id": "x"})],
+    [
+        b"",
+        b"\xc1",
+        b"\x92\x01\x02",
+        _pack([1, 2]),
+        _pack("hello"),
+        b"\x81\xa4type",
+        b"\xff" * 9,
+        encode(SAMPLES[0]) + b"\x00",
+        _pack({1: 2}),
+        _pack({"type": "hello", b"peer_id": "x"}),
+    ],
 )
 def test_decode_refuses_garbage(data: bytes) -> None:
     with pytest.raises(WireError):
@@ -328,13 +346,13 @@ def test_frame_argument_checks() -> None:
         frame(b"x", -1)
     with pytest.raises(WireError):
         frame(b"x", 2**64)
+    with pytest.raises(WireError):
+        frame("text", 1)  # type: ignore[arg-type]
 
 
 # --- fuzz ---------------------------------------------------------------------
 
-FUZZ = settings(
-    max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow]
-)
+FUZZ = settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 
 
 @FUZZ
@@ -348,8 +366,12 @@ def test_fuzz_decode_random_bytes(data: bytes) -> None:
 
 
 _mp_values = st.recursive(
-    st.none() | st.booleans() | st.integers(-(2**63), 2**64 - 1) | st.floats()
-    | st.text(max_size=20) | st.binary(max_size=20),
+    st.none()
+    | st.booleans()
+    | st.integers(-(2**63), 2**64 - 1)
+    | st.floats()
+    | st.text(max_size=20)
+    | st.binary(max_size=20),
     lambda c: st.lists(c, max_size=4) | st.dictionaries(st.text(max_size=8), c, max_size=4),
     max_leaves=12,
 )
@@ -367,13 +389,38 @@ def test_fuzz_decode_mutated_messages(msg: wire.Message, changes: dict, drop: li
     d.update(changes)
     for k in drop:
         d.pop(k, None)
-    if "type" in changes and isinstance(changes["type"], str) and not changes["type"]:
-        d["type"] = "hello"
     try:
         out = decode(_pack(d))
     except WireError:
         return
     assert decode(encode(out)) == out
+
+
+@FUZZ
+@given(
+    st.sampled_from(SAMPLES),
+    st.lists(st.tuples(st.integers(0, 10**6), st.integers(1, 255)), min_size=1, max_size=4),
+    st.integers(0, 10**6),
+)
+def test_fuzz_decode_flipped_bytes(msg: wire.Message, flips: list, cut: int) -> None:
+    b = bytearray(encode(msg))
+    for pos, x in flips:
+        b[pos % len(b)] ^= x
+    for data in (bytes(b), bytes(b[: cut % (len(b) + 1)])):
+        try:
+            out = decode(data)
+        except WireError:
+            continue
+        assert decode(encode(out)) == out
+
+
+def test_config_dict_round_trip() -> None:
+    cfg = SAMPLES[1]
+    assert Config.from_dict(cfg.to_dict()) == cfg
+    with pytest.raises(WireError, match="missing"):
+        Config.from_dict({"width": 64})
+    with pytest.raises(WireError, match="unexpected"):
+        Config.from_dict({**cfg.to_dict(), "bogus": 1})
 
 
 def _mutate(f: bytes, kind: int, pos: int, val: int) -> bytes:
