@@ -1,0 +1,258 @@
+"""DaisyAdam: a bit-reproducible AdamW on one flat float32 parameter buffer.
+
+Every peer must end each step with byte-identical weights and optimizer state, so the
+update is written as a fixed sequence of elementwise float32 numpy ufuncs with explicit
+``out=`` buffers: no reductions, no ``np.power``/``**``, no fused or BLAS operations whose
+rounding could depend on the machine.
+
+Bias corrections come from running products ``beta1_power`` / ``beta2_power``. They are
+kept as Python floats (IEEE-754 binary64) and updated by exactly one multiplication per
+step (``beta1_power = beta1_power * beta1``), which is deterministic on every platform.
+The scalars derived from them (step size, sqrt of the second bias correction) are
+computed in binary64 and rounded once to float32 before they touch any array.
+
+Order of operations in :meth:`DaisyAdam.step` (``t`` is the new step number, all arrays
+float32, ``s1``/``s2`` scratch buffers)::
+
+    0. validate params and grad (shape, dtype, finite) -- nothing is modified on failure
+    1. step += 1; beta1_power *= beta1; beta2_power *= beta2           (binary64)
+       step_size = f32(lr / (1 - beta1_power))
+       bc2_sqrt  = f32(sqrt(1 - beta2_power))
+    2. if weight_decay != 0: params *= f32(1 - lr * weight_decay)     (decoupled decay)
+    3. m *= f32(beta1);  s1 = grad * f32(1 - beta1);  m += s1
+    4. v *= f32(beta2);  s1 = grad * grad;  s1 *= f32(1 - beta2);  v += s1
+    5. s1 = sqrt(v);  s1 /= bc2_sqrt;  s1 += f32(eps)
+    6. s2 = m / s1;  s2 *= step_size;  params -= s2
+
+This matches ``torch.optim.AdamW`` (non-fused, non-foreach semantics) to float tolerance.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import math
+import struct
+from dataclasses import asdict, dataclass
+from typing import Any
+
+import numpy as np
+
+__all__ = ["AdamConfig", "DaisyAdam", "weight_hash"]
+
+_F32 = np.dtype(np.float32)
+_HASH_MAGIC = b"daisyweb-weight-hash-v1\x00"
+
+
+def _check_real(name: str, value: Any) -> float:
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise ValueError(f"{name} must be a real number, got {value!r}")
+    value = float(value)
+    if not math.isfinite(value):
+        raise ValueError(f"{name} must be finite, got {value!r}")
+    return value
+
+
+@dataclass(frozen=True)
+class AdamConfig:
+    """Hyperparameters of DaisyAdam (AdamW with decoupled weight decay)."""
+
+    lr: float
+    beta1: float = 0.9
+    beta2: float = 0.95
+    eps: float = 1e-8
+    weight_decay: float = 0.0
+
+    def __post_init__(self) -> None:
+        lr = _check_real("lr", self.lr)
+        b1 = _check_real("beta1", self.beta1)
+        b2 = _check_real("beta2", self.beta2)
+        eps = _check_real("eps", self.eps)
+        wd = _check_real("weight_decay", self.weight_decay)
+        if lr <= 0.0:
+            raise ValueError(f"lr must be > 0, got {lr}")
+        if not 0.0 <= b1 < 1.0:
+            raise ValueError(f"beta1 must be in [0, 1), got {b1}")
+        if not 0.0 <= b2 < 1.0:
+            raise ValueError(f"beta2 must be in [0, 1), got {b2}")
+        if eps <= 0.0:
+            raise ValueError(f"eps must be > 0, got {eps}")
+        if wd < 0.0:
+            raise ValueError(f"weight_decay must be >= 0, got {wd}")
+        if lr * wd >= 1.0:
+            raise ValueError("lr * weight_decay must be < 1")
+        for name, val in (("lr", lr), ("beta1", b1), ("beta2", b2), ("eps", eps),
+                          ("weight_decay", wd)):
+            object.__setattr__(self, name, val)
+
+    def to_dict(self) -> dict[str, float]:
+        return asdict(self)
+
+
+def _powers_for(config: AdamConfig, step: int) -> tuple[float, float]:
+    """Recompute the running products for ``step`` exactly as :meth:`DaisyAdam.step` does."""
+    p1 = 1.0
+    p2 = 1.0
+    for _ in range(step):
+        p1 = p1 * config.beta1
+        p2 = p2 * config.beta2
+    return p1, p2
+
+
+class DaisyAdam:
+    """AdamW over one flat, C-contiguous float32 buffer of ``size`` elements."""
+
+    def __init__(self, config: AdamConfig, size: int) -> None:
+        if not isinstance(config, AdamConfig):
+            raise TypeError("config must be an AdamConfig")
+        if isinstance(size, bool) or not isinstance(size, int) or size < 0:
+            raise ValueError(f"size must be a non-negative int, got {size!r}")
+        self.config = config
+        self.size = size
+        self.m = np.zeros(size, dtype=np.float32)
+        self.v = np.zeros(size, dtype=np.float32)
+        # The step counter is ``step_count`` (``step`` is the update method); it is
+        # exported as ``"step"`` by state_dict().
+        self.step_count = 0
+        self.beta1_power = 1.0  # binary64, = beta1 ** step_count by repeated multiplication
+        self.beta2_power = 1.0
+        self._s1 = np.empty(size, dtype=np.float32)
+        self._s2 = np.empty(size, dtype=np.float32)
+
+    def _check_buffer(self, name: str, arr: Any, writable: bool) -> np.ndarray:
+        if not isinstance(arr, np.ndarray):
+            raise ValueError(f"{name} must be a numpy array, got {type(arr).__name__}")
+        if arr.dtype != _F32:
+            raise ValueError(f"{name} must be float32, got {arr.dtype}")
+        if arr.shape != (self.size,):
+            raise ValueError(f"{name} must have shape ({self.size},), got {arr.shape}")
+        if not arr.flags.c_contiguous:
+            raise ValueError(f"{name} must be C-contiguous")
+        if writable and not arr.flags.writeable:
+            raise ValueError(f"{name} must be writable")
+        return arr
+
+    def step(self, params: np.ndarray, grad: np.ndarray) -> None:
+        """Apply one AdamW update to ``params`` in place (see module docstring for order)."""
+        params = self._check_buffer("params", params, writable=True)
+        grad = self._check_buffer("grad", grad, writable=False)
+        if np.shares_memory(params, grad):
+            raise ValueError("grad must not alias params")
+        if not np.isfinite(grad).all():
+            raise ValueError("grad contains NaN or Inf")
+
+        cfg = self.config
+        f32 = np.float32
+        # 1. counters and scalars (binary64, then rounded once to float32)
+        step = self.step_count + 1
+        p1 = self.beta1_power * cfg.beta1
+        p2 = self.beta2_power * cfg.beta2
+        step_size = f32(cfg.lr / (1.0 - p1))
+        bc2_sqrt = f32(math.sqrt(1.0 - p2))
+        m, v, s1, s2 = self.m, self.v, self._s1, self._s2
+
+        # 2. decoupled weight decay
+        if cfg.weight_decay != 0.0:
+            np.multiply(params, f32(1.0 - cfg.lr * cfg.weight_decay), out=params)
+        # 3. first moment
+        np.multiply(m, f32(cfg.beta1), out=m)
+        np.multiply(grad, f32(1.0 - cfg.beta1), out=s1)
+        np.add(m, s1, out=m)
+        # 4. second moment
+        np.multiply(v, f32(cfg.beta2), out=v)
+        np.multiply(grad, grad, out=s1)
+        np.multiply(s1, f32(1.0 - cfg.beta2), out=s1)
+        np.add(v, s1, out=v)
+        # 5. denominator
+        np.sqrt(v, out=s1)
+        np.divide(s1, bc2_sqrt, out=s1)
+        np.add(s1, f32(cfg.eps), out=s1)
+        # 6. update
+        np.divide(m, s1, out=s2)
+        np.multiply(s2, step_size, out=s2)
+        np.subtract(params, s2, out=params)
+
+        self.step_count = step
+        self.beta1_power = p1
+        self.beta2_power = p2
+
+    # ------------------------------------------------------------------ state
+    def state_dict(self) -> dict[str, Any]:
+        """A copy of the full optimizer state (arrays copied, floats binary64)."""
+        return {
+            "config": self.config.to_dict(),
+            "size": self.size,
+            "step": self.step_count,
+            "beta1_power": float(self.beta1_power),
+            "beta2_power": float(self.beta2_power),
+            "m": self.m.copy(),
+            "v": self.v.copy(),
+        }
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Validate ``state`` completely, then replace the current state (all or nothing)."""
+        if not isinstance(state, dict):
+            raise ValueError("state must be a dict")
+        expected = {"config", "size", "step", "beta1_power", "beta2_power", "m", "v"}
+        if set(state) != expected:
+            raise ValueError(f"state keys must be {sorted(expected)}, got {sorted(state)}")
+        cfg = state["config"]
+        if not isinstance(cfg, dict):
+            raise ValueError("state['config'] must be a dict")
+        try:
+            loaded_cfg = AdamConfig(**cfg)
+        except TypeError as exc:
+            raise ValueError(f"bad config: {exc}") from None
+        if loaded_cfg != self.config:
+            raise ValueError(f"config mismatch: {loaded_cfg} != {self.config}")
+        if state["size"] != self.size or isinstance(state["size"], bool):
+            raise ValueError(f"size mismatch: {state['size']!r} != {self.size}")
+        step = state["step"]
+        if isinstance(step, (bool, np.bool_)) or not isinstance(step, (int, np.integer)):
+            raise ValueError("step must be an int")
+        step = int(step)
+        if step < 0:
+            raise ValueError("step must be >= 0")
+        p1, p2 = state["beta1_power"], state["beta2_power"]
+        for name, val in (("beta1_power", p1), ("beta2_power", p2)):
+            if isinstance(val, bool) or not isinstance(val, (float, int, np.floating)):
+                raise ValueError(f"{name} must be a float")
+        e1, e2 = _powers_for(self.config, step)
+        if float(p1) != e1 or float(p2) != e2:
+            raise ValueError("beta powers are inconsistent with step")
+        arrays = {}
+        for name in ("m", "v"):
+            arr = state[name]
+            if not isinstance(arr, np.ndarray) or arr.dtype != _F32:
+                raise ValueError(f"{name} must be a float32 numpy array")
+            if arr.shape != (self.size,):
+                raise ValueError(f"{name} must have shape ({self.size},), got {arr.shape}")
+            if not np.isfinite(arr).all():
+                raise ValueError(f"{name} contains NaN or Inf")
+            arrays[name] = np.ascontiguousarray(arr).copy()
+        if (arrays["v"] < 0).any():
+            raise ValueError("v must be non-negative")
+        self.m = arrays["m"]
+        self.v = arrays["v"]
+        self.step_count = step
+        self.beta1_power = e1
+        self.beta2_power = e2
+
+
+def weight_hash(params: np.ndarray, optimizer: DaisyAdam) -> str:
+    """blake2b-256 hex digest over the weights and the full optimizer state.
+
+    Fixed order, little-endian: magic, size (u64), params (f32), m (f32), v (f32),
+    step (u64), beta1_power (f64), beta2_power (f64).
+    """
+    if not isinstance(params, np.ndarray) or params.dtype != _F32:
+        raise ValueError("params must be a float32 numpy array")
+    if params.shape != (optimizer.size,):
+        raise ValueError(f"params must have shape ({optimizer.size},)")
+    h = hashlib.blake2b(digest_size=32)
+    h.update(_HASH_MAGIC)
+    h.update(struct.pack("<Q", optimizer.size))
+    for arr in (params, optimizer.m, optimizer.v):
+        h.update(np.ascontiguousarray(arr, dtype="<f4").tobytes())
+    h.update(struct.pack("<Qdd", optimizer.step_count, optimizer.beta1_power,
+                         optimizer.beta2_power))
+    return h.hexdigest()
