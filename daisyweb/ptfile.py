@@ -1,0 +1,411 @@
+"""Read and write PyTorch-compatible ``.pt`` files without importing torch.
+
+Layout written by :func:`save_pt` (the same as ``torch.save`` of torch 2.x)::
+
+    archive/data.pkl              pickle protocol 2, storages as persistent ids
+    archive/.format_version       b"1"
+    archive/.storage_alignment    b"64"
+    archive/byteorder             b"little"
+    archive/data/0 .. N-1         raw little-endian storage bytes, one per array
+    archive/version               b"3\\n"
+
+Every entry is stored uncompressed and its data starts at a multiple of 64 bytes (the
+local header's extra field is padded with an ``FB`` record, like torch does).
+
+The pickle references only ``collections.OrderedDict``, ``torch._utils._rebuild_tensor_v2``
+and the typed storage classes (``torch.FloatStorage`` ...), which is exactly what
+``torch.load(path, weights_only=True)`` accepts. The pickle bytes are emitted by a small
+hand-written encoder, so writing needs neither torch nor any fake ``torch`` module.
+
+:func:`load_pt` uses a restricted unpickler that resolves *only* those globals (mapped to
+local rebuild functions) and refuses anything else with :class:`PtFormatError`, so
+loading never runs pickled code.
+"""
+
+from __future__ import annotations
+
+import collections
+import io
+import os
+import pickle
+import struct
+import zipfile
+from typing import IO, Any
+
+import numpy as np
+
+__all__ = ["PtFormatError", "save_pt", "load_pt", "DEFAULT_MAX_BYTES"]
+
+DEFAULT_MAX_BYTES = 4 << 30
+_ALIGN = 64
+_MAX_DEPTH = 64
+_ARCHIVE = "archive"
+
+
+class PtFormatError(ValueError):
+    """The file is not a valid (or not an acceptable) ``.pt`` checkpoint."""
+
+
+# numpy dtype (little-endian) <-> torch typed storage class name
+_STORAGE_FOR_DTYPE: dict[np.dtype, str] = {
+    np.dtype("<f8"): "DoubleStorage",
+    np.dtype("<f4"): "FloatStorage",
+    np.dtype("<f2"): "HalfStorage",
+    np.dtype("<i8"): "LongStorage",
+    np.dtype("<i4"): "IntStorage",
+    np.dtype("<i2"): "ShortStorage",
+    np.dtype("i1"): "CharStorage",
+    np.dtype("u1"): "ByteStorage",
+    np.dtype("?"): "BoolStorage",
+}
+_DTYPE_FOR_STORAGE = {name: dt for dt, name in _STORAGE_FOR_DTYPE.items()}
+
+
+# ---------------------------------------------------------------------------- writing
+class _Encoder:
+    """Minimal pickle protocol-2 encoder for the checkpoint value tree."""
+
+    def __init__(self) -> None:
+        self.out = io.BytesIO()
+        self.storages: list[bytes] = []
+
+    def w(self, b: bytes) -> None:
+        self.out.write(b)
+
+    def global_(self, module: str, name: str) -> None:
+        self.w(pickle.GLOBAL + module.encode() + b"\n" + name.encode() + b"\n")
+
+    def str_(self, s: str) -> None:
+        b = s.encode("utf-8", "surrogatepass")
+        self.w(pickle.BINUNICODE + struct.pack("<I", len(b)) + b)
+
+    def int_(self, i: int) -> None:
+        if 0 <= i < 256:
+            self.w(pickle.BININT1 + bytes([i]))
+        elif -(2**31) <= i < 2**31:
+            self.w(pickle.BININT + struct.pack("<i", i))
+        else:
+            b = pickle.encode_long(i)
+            if len(b) < 256:
+                self.w(pickle.LONG1 + bytes([len(b)]) + b)
+            else:
+                self.w(pickle.LONG4 + struct.pack("<I", len(b)) + b)
+
+    def tuple_(self, items: tuple[int, ...]) -> None:
+        self.w(pickle.MARK)
+        for i in items:
+            self.int_(i)
+        self.w(pickle.TUPLE)
+
+    def array(self, arr: np.ndarray) -> None:
+        dt = arr.dtype.newbyteorder("<") if arr.dtype.byteorder == ">" else arr.dtype
+        dt = np.dtype(dt.str)
+        if dt not in _STORAGE_FOR_DTYPE:
+            raise TypeError(f"unsupported array dtype {arr.dtype}")
+        arr = np.array(arr, dtype=dt, order="C", copy=True)  # keeps 0-d shape
+        key = str(len(self.storages))
+        self.storages.append(arr.tobytes())
+        shape = tuple(int(s) for s in arr.shape)
+        stride = tuple(int(s) // dt.itemsize for s in arr.strides) if arr.size else tuple(
+            int(np.prod(shape[i + 1:], dtype=np.int64)) for i in range(len(shape)))
+        self.global_("torch._utils", "_rebuild_tensor_v2")
+        self.w(pickle.MARK)
+        # persistent id: ('storage', StorageClass, key, 'cpu', numel)
+        self.w(pickle.MARK)
+        self.str_("storage")
+        self.global_("torch", _STORAGE_FOR_DTYPE[dt])
+        self.str_(key)
+        self.str_("cpu")
+        self.int_(int(arr.size))
+        self.w(pickle.TUPLE + pickle.BINPERSID)
+        self.int_(0)
+        self.tuple_(shape)
+        self.tuple_(stride)
+        self.w(pickle.NEWFALSE)
+        self.global_("collections", "OrderedDict")
+        self.w(pickle.EMPTY_TUPLE + pickle.REDUCE)
+        self.w(pickle.TUPLE + pickle.REDUCE)
+
+    def value(self, obj: Any, depth: int = 0) -> None:
+        if depth > _MAX_DEPTH:
+            raise ValueError("object nested too deeply")
+        if obj is None:
+            self.w(pickle.NONE)
+        elif obj is True:
+            self.w(pickle.NEWTRUE)
+        elif obj is False:
+            self.w(pickle.NEWFALSE)
+        elif type(obj) is int:
+            self.int_(obj)
+        elif type(obj) is float:
+            self.w(pickle.BINFLOAT + struct.pack(">d", obj))
+        elif type(obj) is str:
+            self.str_(obj)
+        elif isinstance(obj, np.ndarray):
+            self.array(obj)
+        elif isinstance(obj, dict):
+            if isinstance(obj, collections.OrderedDict):
+                self.global_("collections", "OrderedDict")
+                self.w(pickle.EMPTY_TUPLE + pickle.REDUCE)
+            else:
+                self.w(pickle.EMPTY_DICT)
+            if obj:
+                self.w(pickle.MARK)
+                for k, v in obj.items():
+                    if type(k) is not str:
+                        raise TypeError(f"dict keys must be str, got {type(k).__name__}")
+                    self.str_(k)
+                    self.value(v, depth + 1)
+                self.w(pickle.SETITEMS)
+        elif type(obj) is list:
+            self.w(pickle.EMPTY_LIST)
+            if obj:
+                self.w(pickle.MARK)
+                for v in obj:
+                    self.value(v, depth + 1)
+                self.w(pickle.APPENDS)
+        elif type(obj) is tuple:
+            self.w(pickle.MARK)
+            for v in obj:
+                self.value(v, depth + 1)
+            self.w(pickle.TUPLE)
+        else:
+            raise TypeError(f"cannot save value of type {type(obj).__name__}")
+
+
+def _aligned_entry(zf: zipfile.ZipFile, buf: io.BytesIO, name: str, data: bytes) -> None:
+    info = zipfile.ZipInfo(name, date_time=(1980, 1, 1, 0, 0, 0))
+    info.compress_type = zipfile.ZIP_STORED
+    info.create_system = 0
+    fname_len = len(info.filename.encode("utf-8"))
+    offset = buf.tell()
+    pad = (-(offset + 30 + fname_len + 4)) % _ALIGN
+    info.extra = struct.pack("<HH", 0x4246, pad) + b"Z" * pad  # "FB" padding record
+    zf.writestr(info, data)
+
+
+def save_pt(path_or_file: str | os.PathLike[str] | IO[bytes], obj: Any) -> None:
+    """Write ``obj`` (nested dict/list/tuple of arrays and plain values) as a ``.pt`` file.
+
+    The whole archive is built in memory first, so a failure never leaves a partial file.
+    """
+    enc = _Encoder()
+    enc.w(pickle.PROTO + b"\x02")
+    enc.value(obj)
+    enc.w(pickle.STOP)
+    buf = io.BytesIO()
+    with zipfile.ZipFile(buf, "w", zipfile.ZIP_STORED, allowZip64=True) as zf:
+        entries = [("data.pkl", enc.out.getvalue()), (".format_version", b"1"),
+                   (".storage_alignment", b"64"), ("byteorder", b"little")]
+        entries += [(f"data/{i}", b) for i, b in enumerate(enc.storages)]
+        entries.append(("version", b"3\n"))
+        for name, data in entries:
+            _aligned_entry(zf, buf, f"{_ARCHIVE}/{name}", data)
+    payload = buf.getvalue()
+    if hasattr(path_or_file, "write"):
+        path_or_file.write(payload)  # type: ignore[union-attr]
+    else:
+        tmp = f"{os.fspath(path_or_file)}.tmp.{os.getpid()}"
+        with open(tmp, "wb") as f:
+            f.write(payload)
+        os.replace(tmp, path_or_file)
+
+
+# ---------------------------------------------------------------------------- reading
+class _StorageType:
+    __slots__ = ("name", "dtype")
+
+    def __init__(self, name: str) -> None:
+        self.name = name
+        self.dtype = _DTYPE_FOR_STORAGE[name]
+
+
+class _Storage:
+    __slots__ = ("array",)
+
+    def __init__(self, array: np.ndarray) -> None:
+        self.array = array
+
+
+def _is_int(x: Any) -> bool:
+    return type(x) is int
+
+
+def _rebuild_tensor_v2(storage: Any, offset: Any, size: Any, stride: Any,
+                       requires_grad: Any = False, hooks: Any = None, *rest: Any) -> np.ndarray:
+    if not isinstance(storage, _Storage):
+        raise PtFormatError("tensor storage is not a storage")
+    if rest and not (len(rest) == 1 and (rest[0] is None or rest[0] == {})):
+        raise PtFormatError("unexpected tensor rebuild arguments")
+    if not isinstance(size, tuple) or not isinstance(stride, tuple):
+        raise PtFormatError("tensor size/stride must be tuples")
+    if len(size) != len(stride):
+        raise PtFormatError("tensor size/stride length mismatch")
+    if not _is_int(offset) or offset < 0:
+        raise PtFormatError("bad storage offset")
+    if not all(_is_int(s) and s >= 0 for s in size + stride):
+        raise PtFormatError("bad tensor size/stride")
+    if type(requires_grad) is not bool:
+        raise PtFormatError("bad requires_grad")
+    if hooks is not None and not (isinstance(hooks, dict) and not hooks):
+        raise PtFormatError("backward hooks are not supported")
+    data = storage.array
+    numel = 1
+    for s in size:
+        numel *= s
+    if numel == 0:
+        if offset > data.size:
+            raise PtFormatError("storage offset out of range")
+        return np.zeros(size, dtype=data.dtype)
+    last = offset + sum((n - 1) * st for n, st in zip(size, stride, strict=True))
+    if last >= data.size:
+        raise PtFormatError(
+            f"tensor of size {size} stride {stride} offset {offset} exceeds storage "
+            f"of {data.size} elements")
+    item = data.dtype.itemsize
+    view = np.lib.stride_tricks.as_strided(
+        data[offset:], shape=size, strides=tuple(st * item for st in stride), writeable=False)
+    return np.array(view, dtype=data.dtype.newbyteorder("="), order="C", copy=True)
+
+
+def _make_ordered_dict(*args: Any) -> collections.OrderedDict:
+    if args:
+        raise PtFormatError("OrderedDict with arguments is not supported")
+    return collections.OrderedDict()
+
+
+class _RestrictedUnpickler(pickle.Unpickler):
+    def __init__(self, data: bytes, zf: zipfile.ZipFile, prefix: str, limit: list[int]):
+        super().__init__(io.BytesIO(data))
+        self._zf = zf
+        self._prefix = prefix
+        self._limit = limit
+        self._storages: dict[str, tuple[_StorageType, _Storage]] = {}
+
+    def find_class(self, module: str, name: str) -> Any:
+        if module == "torch._utils" and name == "_rebuild_tensor_v2":
+            return _rebuild_tensor_v2
+        if module == "collections" and name == "OrderedDict":
+            return _make_ordered_dict
+        if module == "torch" and name in _DTYPE_FOR_STORAGE:
+            return _StorageType(name)
+        raise PtFormatError(f"refusing global {module}.{name}")
+
+    def persistent_load(self, pid: Any) -> Any:
+        if not (isinstance(pid, tuple) and len(pid) == 5 and pid[0] == "storage"):
+            raise PtFormatError(f"unsupported persistent id {pid!r:.80}")
+        _, stype, key, location, numel = pid
+        if not isinstance(stype, _StorageType):
+            raise PtFormatError("persistent id has no storage type")
+        if not isinstance(key, str) or not isinstance(location, str):
+            raise PtFormatError("bad storage key/location")
+        if not _is_int(numel) or numel < 0:
+            raise PtFormatError("bad storage size")
+        if key in self._storages:
+            prev_type, prev = self._storages[key]
+            if prev_type.name != stype.name or prev.array.size != numel:
+                raise PtFormatError(f"storage {key} used with conflicting types")
+            return prev
+        name = f"{self._prefix}data/{key}"
+        try:
+            info = self._zf.getinfo(name)
+        except KeyError:
+            raise PtFormatError(f"missing storage entry {name}") from None
+        expected = numel * stype.dtype.itemsize
+        if info.file_size != expected:
+            raise PtFormatError(
+                f"storage {key}: {info.file_size} bytes, expected {expected}")
+        self._limit[0] -= expected
+        if self._limit[0] < 0:
+            raise PtFormatError("file exceeds max_bytes")
+        raw = _read_entry(self._zf, info)
+        storage = _Storage(np.frombuffer(raw, dtype=stype.dtype))
+        self._storages[key] = (stype, storage)
+        return storage
+
+
+def _read_entry(zf: zipfile.ZipFile, info: zipfile.ZipInfo) -> bytes:
+    try:
+        data = zf.read(info)
+    except (zipfile.BadZipFile, OSError, EOFError, ValueError) as exc:
+        raise PtFormatError(f"cannot read {info.filename}: {exc}") from None
+    if len(data) != info.file_size:
+        raise PtFormatError(f"truncated entry {info.filename}")
+    return data
+
+
+def _check_tree(obj: Any, depth: int = 0) -> None:
+    if depth > _MAX_DEPTH:
+        raise PtFormatError("object nested too deeply (or recursive)")
+    if obj is None or type(obj) in (bool, int, float, str) or isinstance(obj, np.ndarray):
+        return
+    if type(obj) in (dict, collections.OrderedDict):
+        if obj.__class__ is collections.OrderedDict and vars(obj):
+            raise PtFormatError("unexpected OrderedDict attributes")
+        for k, v in obj.items():
+            if type(k) not in (str, int):
+                raise PtFormatError(f"bad dict key type {type(k).__name__}")
+            _check_tree(v, depth + 1)
+        return
+    if type(obj) in (list, tuple):
+        for v in obj:
+            _check_tree(v, depth + 1)
+        return
+    raise PtFormatError(f"unexpected object of type {type(obj).__name__}")
+
+
+def load_pt(path_or_file: str | os.PathLike[str] | IO[bytes],
+            max_bytes: int = DEFAULT_MAX_BYTES) -> Any:
+    """Read a ``.pt`` file (ours or torch's) with numpy arrays in place of tensors.
+
+    Raises :class:`PtFormatError` for anything that is not a plain tensor checkpoint:
+    bad or truncated zip, missing entries, unknown globals, size/stride mismatches,
+    more than ``max_bytes`` of (uncompressed) content.
+    """
+    try:
+        zf = zipfile.ZipFile(path_or_file, "r")
+    except (zipfile.BadZipFile, OSError, EOFError, ValueError) as exc:
+        raise PtFormatError(f"not a .pt zip archive: {exc}") from None
+    with zf:
+        infos = zf.infolist()
+        if not infos:
+            raise PtFormatError("empty archive")
+        total = 0
+        for info in infos:
+            if info.compress_type != zipfile.ZIP_STORED:
+                raise PtFormatError(f"entry {info.filename} is compressed")
+            if info.flag_bits & 0x1:
+                raise PtFormatError(f"entry {info.filename} is encrypted")
+            total += info.file_size
+        if total > max_bytes:
+            raise PtFormatError(f"archive content {total} bytes exceeds max_bytes {max_bytes}")
+        first = infos[0].filename
+        if "/" not in first:
+            raise PtFormatError("archive entries have no common root directory")
+        prefix = first.split("/", 1)[0] + "/"
+        if any(not i.filename.startswith(prefix) for i in infos):
+            raise PtFormatError("archive entries have no common root directory")
+        names = {i.filename: i for i in infos}
+        for required in ("data.pkl", "version"):
+            if prefix + required not in names:
+                raise PtFormatError(f"missing entry {prefix}{required}")
+        version = _read_entry(zf, names[prefix + "version"]).strip()
+        if version not in (b"1", b"2", b"3"):
+            raise PtFormatError(f"unsupported archive version {version[:16]!r}")
+        if prefix + "byteorder" in names:
+            order = _read_entry(zf, names[prefix + "byteorder"]).strip()
+            if order != b"little":
+                raise PtFormatError(f"unsupported byteorder {order[:16]!r}")
+        pkl = _read_entry(zf, names[prefix + "data.pkl"])
+        limit = [max_bytes]
+        unpickler = _RestrictedUnpickler(pkl, zf, prefix, limit)
+        try:
+            obj = unpickler.load()
+        except PtFormatError:
+            raise
+        except Exception as exc:  # any malformed pickle
+            raise PtFormatError(f"bad data.pkl: {type(exc).__name__}: {exc}") from None
+        if isinstance(obj, (_Storage, _StorageType)):
+            raise PtFormatError("top-level object is a bare storage")
+        _check_tree(obj)
+        return obj
