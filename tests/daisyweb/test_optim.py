@@ -217,3 +217,12 @@ def test_config_frozen():
     cfg = AdamConfig(lr=1e-3)
     with pytest.raises(AttributeError):
         cfg.lr = 1.0
+
+
+def test_optim_never_imports_torch():
+    code = ("import sys, numpy as np\n"
+            "from daisyweb.optim import AdamConfig, DaisyAdam, weight_hash\n"
+            "o = DaisyAdam(AdamConfig(lr=1e-3), 3); p = np.zeros(3, np.float32)\n"
+            "o.step(p, np.ones(3, np.float32)); weight_hash(p, o)\n"
+            "assert 'torch' not in sys.modules\n")
+    subprocess.run([sys.executable, "-c", code], check=True, timeout=60)

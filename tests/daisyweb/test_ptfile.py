@@ -321,3 +321,14 @@ def test_save_refuses_unsupported_values(tmp_path):
     with pytest.raises(TypeError):
         save_pt(path, {"x": object()})
     assert not path.exists()
+
+
+def test_ptfile_never_imports_torch(tmp_path):
+    code = ("import sys, numpy as np\n"
+            "from daisyweb.ptfile import save_pt, load_pt\n"
+            "p = sys.argv[1]\n"
+            "save_pt(p, {'w': np.ones(3, np.float32)})\n"
+            "assert load_pt(p)['w'].tolist() == [1.0, 1.0, 1.0]\n"
+            "assert 'torch' not in sys.modules, 'torch imported'\n")
+    subprocess.run([sys.executable, "-c", code, str(tmp_path / "n.pt")], check=True,
+                   timeout=60)
