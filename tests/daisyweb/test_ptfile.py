@@ -332,3 +332,23 @@ def test_ptfile_never_imports_torch(tmp_path):
             "assert 'torch' not in sys.modules, 'torch imported'\n")
     subprocess.run([sys.executable, "-c", code, str(tmp_path / "n.pt")], check=True,
                    timeout=60)
+
+
+def test_optimizer_state_roundtrips_through_pt(tmp_path):
+    from daisyweb.optim import AdamConfig, DaisyAdam, weight_hash
+
+    cfg = AdamConfig(lr=1e-2, weight_decay=0.1)
+    params = np.linspace(-1, 1, 33, dtype=np.float32)
+    opt = DaisyAdam(cfg, 33)
+    rng = np.random.default_rng(2)
+    for _ in range(7):
+        opt.step(params, rng.standard_normal(33).astype(np.float32))
+    path = tmp_path / "ckpt.pt"
+    save_pt(path, {"params": params, "optim": opt.state_dict()})
+    back = load_pt(path)
+    opt2 = DaisyAdam(cfg, 33)
+    opt2.load_state_dict(back["optim"])
+    assert weight_hash(back["params"], opt2) == weight_hash(params, opt)
+    t = torch.load(path, weights_only=True)
+    assert torch.equal(t["params"], torch.from_numpy(params))
+    assert t["optim"]["step"] == 7
