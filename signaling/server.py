@@ -1,0 +1,291 @@
+"""aiohttp signaling server: groups, private rooms, relay, liveness."""
+
+from __future__ import annotations
+
+import hashlib
+import itertools
+import json
+import logging
+import secrets
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from aiohttp import WSMsgType, web
+
+from . import protocol
+
+log = logging.getLogger("daisyweb.signal")
+STATIC_DIR = Path(__file__).resolve().parent.parent / "static"
+RATE_PER_S = 50.0
+RATE_BURST = 100.0
+_order = itertools.count()
+
+
+def group_id_for(key: str) -> str:
+    return hashlib.blake2b(key.encode(), digest_size=6).hexdigest()
+
+
+@dataclass
+class Peer:
+    id: str
+    name: str
+    ws: web.WebSocketResponse
+    order: int = field(default_factory=lambda: next(_order))
+    approved: bool = False
+    errors: int = 0
+    tokens: float = RATE_BURST
+    stamp: float = field(default_factory=time.monotonic)
+
+    def take_token(self) -> bool:
+        now = time.monotonic()
+        self.tokens = min(RATE_BURST, self.tokens + (now - self.stamp) * RATE_PER_S)
+        self.stamp = now
+        if self.tokens < 1.0:
+            return False
+        self.tokens -= 1.0
+        return True
+
+
+@dataclass
+class Group:
+    id: str
+    private: bool
+    members: dict[str, Peer] = field(default_factory=dict)
+    waiting: dict[str, Peer] = field(default_factory=dict)
+    host: str | None = None
+    status: dict[str, Any] | None = None
+
+    def roster(self) -> list[dict[str, str]]:
+        return [{"id": p.id, "name": p.name} for p in self.members.values()]
+
+
+class Registry:
+    def __init__(self) -> None:
+        self.groups: dict[str, Group] = {}
+        self.peers: dict[str, tuple[Peer, Group]] = {}
+
+    def new_id(self) -> str:
+        while True:
+            pid = secrets.token_hex(4)
+            if pid not in self.peers:
+                return pid
+
+    def join(self, key: str, private: bool, peer: Peer) -> Group:
+        gid = group_id_for(key)
+        group = self.groups.get(gid)
+        if group is None:
+            group = self.groups[gid] = Group(gid, private)
+        if not private or not group.members:
+            peer.approved = True
+            group.members[peer.id] = peer
+            if private and group.host is None:
+                group.host = peer.id
+        else:
+            group.waiting[peer.id] = peer
+        self.peers[peer.id] = (peer, group)
+        return group
+
+    def leave(self, peer: Peer) -> Group | None:
+        entry = self.peers.pop(peer.id, None)
+        if entry is None:
+            return None
+        group = entry[1]
+        group.members.pop(peer.id, None)
+        group.waiting.pop(peer.id, None)
+        if group.host == peer.id:
+            nxt = min(group.members.values(), key=lambda p: p.order, default=None)
+            group.host = nxt.id if nxt else None
+        if not group.members and not group.waiting:
+            self.groups.pop(group.id, None)
+        return group
+
+
+async def _send(peer: Peer, msg: dict[str, Any]) -> None:
+    if peer.ws.closed:
+        return
+    try:
+        await peer.ws.send_str(json.dumps(msg))
+    except (ConnectionError, RuntimeError):
+        pass
+
+
+async def broadcast(group: Group) -> None:
+    msg = {"type": "peers", "peers": group.roster(), "host": group.host}
+    for p in list(group.members.values()):
+        await _send(p, msg)
+    if group.host and group.host in group.members:
+        await _send(
+            group.members[group.host],
+            {
+                "type": "waiting",
+                "peers": [{"id": p.id, "name": p.name} for p in group.waiting.values()],
+            },
+        )
+
+
+def client_address(request: web.Request, trust_proxy: bool) -> str:
+    if trust_proxy:
+        fwd = request.headers.get("X-Forwarded-For", "")
+        first = fwd.split(",")[0].strip()
+        if first:
+            return first
+    return request.remote or "unknown"
+
+
+async def ws_handler(request: web.Request) -> web.StreamResponse:
+    app = request.app
+    reg: Registry = app["registry"]
+    room = request.query.get("room")
+    if room is not None and not protocol.valid_room(room):
+        raise web.HTTPBadRequest(text="room code must be 4-64 letters, digits, - or _")
+    name = request.query.get("name", "")[:64] or "peer"
+    ws = web.WebSocketResponse(
+        heartbeat=app["heartbeat"], max_msg_size=protocol.MAX_MESSAGE_BYTES * 2
+    )
+    await ws.prepare(request)
+    key = "room:" + room if room else "addr:" + client_address(request, app["trust_proxy"])
+    peer = Peer(reg.new_id(), name, ws)
+    group = reg.join(key, room is not None, peer)
+    await _send(
+        peer,
+        {
+            "type": "welcome",
+            "id": peer.id,
+            "group": group.id,
+            "host": group.host,
+            "state": "member" if peer.approved else "waiting",
+        },
+    )
+    await broadcast(group)
+    try:
+        async for raw in ws:
+            if raw.type not in (WSMsgType.TEXT, WSMsgType.BINARY):
+                break
+            if not peer.take_token():
+                await _reply_error(peer, "rate_limited", "too many messages")
+            else:
+                try:
+                    msg = protocol.decode(raw.data)
+                except protocol.ProtocolError as exc:
+                    await _reply_error(peer, exc.code, exc.message)
+                else:
+                    await handle(reg, peer, group, msg)
+            if peer.errors > protocol.MAX_ERRORS:
+                await ws.close(code=1008, message=b"too many errors")
+                break
+    finally:
+        left = reg.leave(peer)
+        if left is not None and left.id in reg.groups:
+            await broadcast(left)
+    return ws
+
+
+async def _reply_error(peer: Peer, code: str, message: str) -> None:
+    peer.errors += 1
+    await _send(peer, protocol.error(code, message))
+
+
+async def handle(reg: Registry, peer: Peer, group: Group, msg: dict[str, Any]) -> None:
+    kind = msg["type"]
+    if not peer.approved:
+        await _reply_error(peer, "not_approved", "waiting for the host's approval")
+        return
+    if kind == "signal":
+        target = group.members.get(msg["to"])
+        if target is None or target is peer:
+            await _reply_error(peer, "unknown_peer", "no such peer in your group")
+            return
+        await _send(
+            target, {"type": "signal", "from": peer.id, "kind": msg["kind"], "data": msg["data"]}
+        )
+    elif kind in ("approve", "deny"):
+        if group.host != peer.id:
+            await _reply_error(peer, "not_host", "only the host may approve or deny")
+            return
+        other = group.waiting.pop(msg["id"], None)
+        if other is None:
+            await _reply_error(peer, "unknown_peer", "no such waiting peer")
+            return
+        if kind == "approve":
+            other.approved = True
+            group.members[other.id] = other
+            await _send(other, {"type": "approved"})
+        else:
+            reg.peers.pop(other.id, None)
+            await _send(other, {"type": "denied"})
+            await other.ws.close(code=1008, message=b"denied")
+        await broadcast(group)
+    elif kind == "status":
+        group.status = {k: msg[k] for k in ("step", "loss", "hash", "peers")} | {"from": peer.id}
+
+
+async def healthz(request: web.Request) -> web.Response:
+    reg: Registry = request.app["registry"]
+    return web.json_response({"ok": True, "groups": len(reg.groups), "peers": len(reg.peers)})
+
+
+def _group_info(group: Group) -> dict[str, Any]:
+    return {
+        "id": group.id,
+        "private": group.private,
+        "members": group.roster(),
+        "host": group.host,
+        "waiting": len(group.waiting),
+        "status": group.status,
+    }
+
+
+async def list_groups(request: web.Request) -> web.Response:
+    reg: Registry = request.app["registry"]
+    groups = [
+        {"id": g.id, "members": len(g.members), "status": g.status}
+        for g in reg.groups.values()
+        if not g.private
+    ]
+    return web.json_response({"groups": groups})
+
+
+async def group_detail(request: web.Request) -> web.Response:
+    reg: Registry = request.app["registry"]
+    group = reg.groups.get(request.match_info["gid"])
+    if group is None or (group.private and request.query.get("peer") not in group.members):
+        raise web.HTTPNotFound(text="no such group")
+    return web.json_response(_group_info(group))
+
+
+async def index(request: web.Request) -> web.StreamResponse:
+    path = STATIC_DIR / "index.html"
+    if path.exists():
+        return web.FileResponse(path)
+    return web.Response(text="daisyweb signaling server is up\n")
+
+
+async def _close_all(app: web.Application) -> None:
+    reg: Registry = app["registry"]
+    for peer, _ in list(reg.peers.values()):
+        await peer.ws.close(code=1001, message=b"server shutdown")
+
+
+def create_app(
+    trust_proxy: bool = False,
+    heartbeat: float | None = 20.0,
+    data_source: str = "builtin",
+    **kw: Any,
+) -> web.Application:
+    app = web.Application()
+    app["registry"] = Registry()
+    app["trust_proxy"] = trust_proxy
+    app["heartbeat"] = heartbeat
+    app["data_source"] = data_source
+    app["data_options"] = kw
+    app.router.add_get("/ws", ws_handler)
+    app.router.add_get("/healthz", healthz)
+    app.router.add_get("/api/groups", list_groups)
+    app.router.add_get("/api/groups/{gid}", group_detail)
+    app.router.add_get("/", index)
+    if STATIC_DIR.is_dir():
+        app.router.add_static("/static/", STATIC_DIR)
+    app.on_shutdown.append(_close_all)
+    return app
