@@ -15,6 +15,7 @@ from typing import Any
 from aiohttp import WSMsgType, web
 
 from . import protocol
+from .corpus import builtin_slice
 
 log = logging.getLogger("daisyweb.signal")
 STATIC_DIR = Path(__file__).resolve().parent.parent / "static"
@@ -255,6 +256,15 @@ async def group_detail(request: web.Request) -> web.Response:
     return web.json_response(_group_info(group))
 
 
+async def data(request: web.Request) -> web.Response:
+    # FineWeb range reading is not implemented yet: always the built-in corpus.
+    if request.app["data_source"] != "builtin":
+        log.info("/data: fineweb reader unavailable, serving built-in corpus")
+    return web.Response(
+        text=builtin_slice(), content_type="text/plain", headers={"X-Daisyweb-Source": "builtin"}
+    )
+
+
 async def index(request: web.Request) -> web.StreamResponse:
     path = STATIC_DIR / "index.html"
     if path.exists():
@@ -284,6 +294,7 @@ def create_app(
     app.router.add_get("/healthz", healthz)
     app.router.add_get("/api/groups", list_groups)
     app.router.add_get("/api/groups/{gid}", group_detail)
+    app.router.add_get("/data", data)
     app.router.add_get("/", index)
     if STATIC_DIR.is_dir():
         app.router.add_static("/static/", STATIC_DIR)

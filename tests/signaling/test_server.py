@@ -287,3 +287,10 @@ async def _load(srv):
             break
         await asyncio.sleep(0.05)
     assert not srv.reg.peers and not srv.reg.groups
+
+
+async def test_data_builtin(srv):
+    async with srv.session.get(srv.url + "/data") as r:
+        assert r.status == 200 and r.content_type == "text/plain"
+        assert r.headers["X-Daisyweb-Source"] == "builtin"
+        assert len(await r.text()) > 100
