@@ -1,0 +1,66 @@
+import numpy as np
+import pytest
+
+from daisyweb.averaging import GradientError, average_in_roster_order, check_gradient
+
+
+def _grads(n: int, size: int = 1000, seed: int = 0) -> list[np.ndarray]:
+    rng = np.random.default_rng(seed)
+    return [(rng.standard_normal(size) * 10.0 ** rng.integers(-3, 3)).astype(np.float32)
+            for _ in range(n)]
+
+
+def test_average_matches_explicit_float32_loop() -> None:
+    grads = _grads(4)
+    expected = np.empty(1000, np.float32)
+    for i in range(1000):
+        acc = np.float32(grads[0][i])
+        for g in grads[1:]:
+            acc = np.float32(acc + g[i])
+        expected[i] = np.float32(acc * np.float32(0.25))
+    assert average_in_roster_order(grads).tobytes() == expected.tobytes()
+
+
+def test_order_matters_so_roster_order_is_used() -> None:
+    # Float addition is not associative: a permuted roster generally gives other bits,
+    # which is why every replica must use the roster's order.
+    a = np.array([1e8], np.float32)
+    b = np.array([-1e8], np.float32)
+    c = np.array([1.0], np.float32)
+    assert average_in_roster_order([a, b, c])[0] != average_in_roster_order([a, c, b])[0]
+
+
+def test_single_gradient_is_returned_unscaled_copy() -> None:
+    g = _grads(1)[0]
+    out = average_in_roster_order([g])
+    assert out.tobytes() == g.tobytes() and out is not g
+
+
+def test_inputs_are_not_modified() -> None:
+    grads = _grads(3)
+    before = [g.tobytes() for g in grads]
+    average_in_roster_order(grads)
+    assert [g.tobytes() for g in grads] == before
+
+
+def test_refusals() -> None:
+    with pytest.raises(GradientError):
+        average_in_roster_order([])
+    with pytest.raises(GradientError):
+        average_in_roster_order([np.zeros(3, np.float32), np.zeros(4, np.float32)])
+    with pytest.raises(GradientError):
+        average_in_roster_order([np.zeros(3, np.float64)])
+
+
+def test_check_gradient() -> None:
+    good = np.zeros(5, np.float32)
+    assert check_gradient(good, 5) is good
+    with pytest.raises(GradientError, match="expected 5 values"):
+        check_gradient(np.zeros(4, np.float32), 5)
+    with pytest.raises(GradientError, match="float32"):
+        check_gradient(np.zeros(5, np.float64), 5)
+    bad = good.copy()
+    bad[1] = np.nan
+    bad[3] = np.inf
+    with pytest.raises(GradientError, match="2 NaN/Inf"):
+        check_gradient(bad, 5)
