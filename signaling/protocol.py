@@ -11,6 +11,10 @@ MAX_ERRORS = 20
 ROOM_RE = re.compile(r"^[A-Za-z0-9_-]{4,64}$")
 ID_RE = re.compile(r"^[0-9a-f]{1,32}$")
 SIGNAL_KINDS = ("offer", "answer", "candidate")
+# Optional status fields shown on the dashboard. "ok"/"bad" are the usual probe
+# values; any short string (e.g. a probe hash prefix) is accepted too.
+RUN_STATES = ("starting", "training", "halted", "done", "waiting")
+MAX_PROBE_CHARS = 16
 
 
 class ProtocolError(ValueError):
@@ -48,6 +52,27 @@ def _peer_id(msg: dict, name: str) -> str:
     return value
 
 
+def _status_extras(msg: dict) -> dict[str, Any]:
+    """The optional dashboard fields of a status report; absent fields stay absent."""
+    out: dict[str, Any] = {}
+    if "tokens_per_s" in msg:
+        tps = _field(msg, "tokens_per_s", (int, float), "a number")
+        if not tps >= 0 or tps == float("inf"):  # `not >=` also catches NaN
+            raise ProtocolError("bad_field", "tokens_per_s must be a finite number >= 0")
+        out["tokens_per_s"] = float(tps)
+    if "probe" in msg:
+        probe = _field(msg, "probe", (str,), "a string")
+        if len(probe) > MAX_PROBE_CHARS:
+            raise ProtocolError("bad_field", f"probe must be at most {MAX_PROBE_CHARS} characters")
+        out["probe"] = probe
+    if "state" in msg:
+        state = _field(msg, "state", (str,), "a string")
+        if state not in RUN_STATES:
+            raise ProtocolError("bad_field", "state must be one of " + ", ".join(RUN_STATES))
+        out["state"] = state
+    return out
+
+
 def decode(raw: str | bytes) -> dict[str, Any]:
     """Parse and validate one client->server message; raise ProtocolError."""
     size = len(raw.encode() if isinstance(raw, str) else raw)
@@ -78,7 +103,8 @@ def decode(raw: str | bytes) -> dict[str, Any]:
             raise ProtocolError("bad_field", "hash must be at most 16 characters")
         if step < 0 or peers < 0 or loss != loss or abs(loss) == float("inf"):
             raise ProtocolError("bad_field", "step/peers must be >= 0, loss finite")
-        return {"type": "status", "step": step, "loss": float(loss), "hash": hsh, "peers": peers}
+        out = {"type": "status", "step": step, "loss": float(loss), "hash": hsh, "peers": peers}
+        return out | _status_extras(msg)
     if isinstance(kind, str):
         raise ProtocolError("unknown_type", f"unknown message type {kind[:32]!r}")
     raise ProtocolError("bad_message", "field 'type' must be a string")

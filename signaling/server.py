@@ -8,6 +8,7 @@ import json
 import logging
 import secrets
 import time
+from collections import deque
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -18,7 +19,24 @@ from . import protocol
 from .corpus import builtin_slice
 
 log = logging.getLogger("daisyweb.signal")
-STATIC_DIR = Path(__file__).resolve().parent.parent / "static"
+
+
+def find_static_dir() -> Path:
+    """The dashboard's files: ``signaling/static`` when packaged, else the repo's ``static/``.
+
+    An editable install (and a source checkout) runs from the tree, where the page lives
+    in the top-level ``static/``; a wheel can only carry files inside a package.
+    """
+    here = Path(__file__).resolve().parent
+    for cand in (here / "static", here.parent / "static"):
+        if (cand / "index.html").is_file():
+            return cand
+    return here.parent / "static"
+
+
+STATIC_DIR = find_static_dir()
+# Dashboard history: the last HISTORY_POINTS (step, loss) points per reporting peer.
+HISTORY_POINTS = 500
 RATE_PER_S = 50.0
 RATE_BURST = 100.0
 _order = itertools.count()
@@ -57,9 +75,26 @@ class Group:
     waiting: dict[str, Peer] = field(default_factory=dict)
     host: str | None = None
     status: dict[str, Any] | None = None
+    # Dashboard state, per current member: latest status report and a bounded loss history.
+    reports: dict[str, dict[str, Any]] = field(default_factory=dict)
+    history: dict[str, deque[tuple[int, float]]] = field(default_factory=dict)
+    # Private rooms: the secret of the dashboard link, valid only for the peer in key_holder.
+    host_key: str | None = None
+    key_holder: str | None = None
 
     def roster(self) -> list[dict[str, str]]:
         return [{"id": p.id, "name": p.name} for p in self.members.values()]
+
+    def record(self, peer_id: str, report: dict[str, Any]) -> None:
+        self.reports[peer_id] = report
+        hist = self.history.get(peer_id)
+        if hist is None:
+            hist = self.history[peer_id] = deque(maxlen=HISTORY_POINTS)
+        hist.append((report["step"], report["loss"]))
+
+    def forget(self, peer_id: str) -> None:
+        self.reports.pop(peer_id, None)
+        self.history.pop(peer_id, None)
 
 
 class Registry:
@@ -95,6 +130,7 @@ class Registry:
         group = entry[1]
         group.members.pop(peer.id, None)
         group.waiting.pop(peer.id, None)
+        group.forget(peer.id)
         if group.host == peer.id:
             nxt = min(group.members.values(), key=lambda p: p.order, default=None)
             group.host = nxt.id if nxt else None
@@ -112,7 +148,30 @@ async def _send(peer: Peer, msg: dict[str, Any]) -> None:
         pass
 
 
+async def sync_host_key(group: Group) -> None:
+    """Give a private room's host a fresh dashboard secret whenever hosting changes hands.
+
+    Called from broadcast(), which runs after every membership change, so the key can
+    never outlive the host it was issued to.
+    """
+    if not group.private or group.host == group.key_holder:
+        return
+    group.key_holder = group.host
+    group.host_key = secrets.token_urlsafe(24) if group.host else None
+    host = group.members.get(group.host) if group.host else None
+    if host is not None and group.host_key is not None:
+        await _send(host, {"type": "host_key", "key": group.host_key})
+
+
+def key_ok(group: Group, key: object) -> bool:
+    if not isinstance(key, str) or group.host_key is None or group.host != group.key_holder:
+        return False
+    # bytes: compare_digest refuses non-ASCII str; constant time against guessing
+    return secrets.compare_digest(key.encode(), group.host_key.encode())
+
+
 async def broadcast(group: Group) -> None:
+    await sync_host_key(group)
     msg = {"type": "peers", "peers": group.roster(), "host": group.host}
     for p in list(group.members.values()):
         await _send(p, msg)
@@ -220,6 +279,8 @@ async def handle(reg: Registry, peer: Peer, group: Group, msg: dict[str, Any]) -
         await broadcast(group)
     elif kind == "status":
         group.status = {k: msg[k] for k in ("step", "loss", "hash", "peers")} | {"from": peer.id}
+        report = {k: v for k, v in msg.items() if k != "type"} | {"t": time.time()}
+        group.record(peer.id, report)
 
 
 async def healthz(request: web.Request) -> web.Response:
@@ -227,15 +288,30 @@ async def healthz(request: web.Request) -> web.Response:
     return web.json_response({"ok": True, "groups": len(reg.groups), "peers": len(reg.peers)})
 
 
-def _group_info(group: Group) -> dict[str, Any]:
-    return {
+def _group_info(group: Group, host_view: bool = False) -> dict[str, Any]:
+    """A group for the API; waiting peers' names only for the holder of the host key."""
+    info: dict[str, Any] = {
         "id": group.id,
         "private": group.private,
         "members": group.roster(),
         "host": group.host,
         "waiting": len(group.waiting),
         "status": group.status,
+        "now": time.time(),
+        "reports": {pid: r for pid, r in group.reports.items() if pid in group.members},
+        "history": {
+            pid: [list(pt) for pt in h] for pid, h in group.history.items() if pid in group.members
+        },
+        "can_decide": host_view,
     }
+    if host_view:
+        info["waiting_peers"] = [{"id": p.id, "name": p.name} for p in group.waiting.values()]
+    return info
+
+
+def _no_store(resp: web.Response) -> web.Response:
+    resp.headers["Cache-Control"] = "no-store"  # room details and keys never hit a cache
+    return resp
 
 
 async def list_groups(request: web.Request) -> web.Response:
@@ -251,9 +327,62 @@ async def list_groups(request: web.Request) -> web.Response:
 async def group_detail(request: web.Request) -> web.Response:
     reg: Registry = request.app["registry"]
     group = reg.groups.get(request.match_info["gid"])
-    if group is None or (group.private and request.query.get("peer") not in group.members):
+    if group is None:
         raise web.HTTPNotFound(text="no such group")
-    return web.json_response(_group_info(group))
+    host_view = key_ok(group, request.query.get("key"))
+    if group.private and not host_view and request.query.get("peer") not in group.members:
+        raise web.HTTPNotFound(text="no such group")
+    return _no_store(web.json_response(_group_info(group, host_view)))
+
+
+def _room(request: web.Request) -> Group | None:
+    code = request.match_info["code"]
+    if not protocol.valid_room(code):
+        return None
+    group = request.app["registry"].groups.get(group_id_for("room:" + code))
+    return group if group is not None and group.private else None
+
+
+async def room_detail(request: web.Request) -> web.Response:
+    """A private room by code, for its host-key holder or one of its members (else 404).
+
+    Knowing the code is not enough: anyone may knock with it, only members may look.
+    """
+    group = _room(request)
+    if group is None:
+        raise web.HTTPNotFound(text="no such room")
+    host_view = key_ok(group, request.query.get("key"))
+    if not host_view and request.query.get("peer") not in group.members:
+        raise web.HTTPNotFound(text="no such room")
+    return _no_store(web.json_response(_group_info(group, host_view)))
+
+
+async def decide(request: web.Request) -> web.Response:
+    """POST {key, id, approve}: forward the host's dashboard decision to the host peer.
+
+    The server does not admit anyone itself; the host peer receives a `decision` message
+    and acts with its own approve/deny, so the host stays the only one who admits peers.
+    """
+    try:
+        body = await request.json()
+    except ValueError:
+        body = None
+    if not isinstance(body, dict):
+        raise web.HTTPBadRequest(text="body must be a JSON object {key, id, approve}")
+    group = _room(request)
+    # one answer for no room, no key and a wrong key: nothing to learn by probing
+    if group is None or not key_ok(group, body.get("key")):
+        raise web.HTTPForbidden(text="a valid host key is required")
+    pid, approve = body.get("id"), body.get("approve")
+    if not isinstance(pid, str) or not protocol.ID_RE.match(pid) or not isinstance(approve, bool):
+        raise web.HTTPBadRequest(text="id must be a peer id and approve a boolean")
+    if pid not in group.waiting:
+        raise web.HTTPNotFound(text="no such waiting peer")
+    host = group.members.get(group.host or "")
+    if host is None or host.ws.closed:
+        raise web.HTTPServiceUnavailable(text="the host is not connected")
+    await _send(host, {"type": "decision", "id": pid, "approve": approve})
+    return _no_store(web.json_response({"ok": True, "forwarded": True}))
 
 
 async def data(request: web.Request) -> web.Response:
@@ -268,7 +397,16 @@ async def data(request: web.Request) -> web.Response:
 async def index(request: web.Request) -> web.StreamResponse:
     path = STATIC_DIR / "index.html"
     if path.exists():
-        return web.FileResponse(path)
+        # The page may carry a host key in its URL: load nothing from elsewhere, send no
+        # referrer, and refuse framing.
+        return web.FileResponse(
+            path,
+            headers={
+                "Content-Security-Policy": "default-src 'self'; frame-ancestors 'none'",
+                "Referrer-Policy": "no-referrer",
+                "Cache-Control": "no-store",
+            },
+        )
     return web.Response(text="daisyweb signaling server is up\n")
 
 
@@ -294,6 +432,8 @@ def create_app(
     app.router.add_get("/healthz", healthz)
     app.router.add_get("/api/groups", list_groups)
     app.router.add_get("/api/groups/{gid}", group_detail)
+    app.router.add_get("/api/rooms/{code}", room_detail)
+    app.router.add_post("/api/rooms/{code}/decide", decide)
     app.router.add_get("/data", data)
     app.router.add_get("/", index)
     if STATIC_DIR.is_dir():
