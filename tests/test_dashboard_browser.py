@@ -1,0 +1,246 @@
+"""The dashboard in headless Chromium (Debian's package) against a real signaling server.
+
+Fake peers are real WebSocket clients: they post status reports with a falling loss, and
+the fake host forwards the page's decisions as a real host peer does. The page must draw
+a moving loss curve, approve a waiting peer by a click with the host key, show divergence
+in red, and offer no way to approve without the key.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import math
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import aiohttp
+import pytest
+from aiohttp import web
+from playwright.async_api import BrowserContext, async_playwright
+
+from signaling.server import create_app
+
+CHROMIUM = Path("/usr/bin/chromium")
+CHROMIUM_ARGS = [
+    "--headless",
+    "--no-sandbox",
+    "--disable-gpu",
+    "--no-first-run",
+    "--disable-background-networking",
+    "--disable-component-update",
+    "--disable-sync",
+]
+ROOM = "dash-room"
+
+
+async def recv(ws: aiohttp.ClientWebSocketResponse, kind: str, timeout: float = 5.0) -> dict:
+    while True:
+        msg = await asyncio.wait_for(ws.receive_json(), timeout)
+        if msg["type"] == kind:
+            return msg
+
+
+def status(step: int, loss: float, hsh: str, **extra: object) -> dict:
+    return {"type": "status", "step": step, "loss": loss, "hash": hsh, "peers": 3} | extra
+
+
+async def host_loop(ws: aiohttp.ClientWebSocketResponse, decisions: list[dict]) -> None:
+    """What a host peer does with a dashboard decision: approve or deny by itself."""
+    async for raw in ws:
+        if raw.type != aiohttp.WSMsgType.TEXT:
+            break
+        msg = raw.json()
+        if msg["type"] == "decision":
+            decisions.append(msg)
+            kind = "approve" if msg["approve"] else "deny"
+            await ws.send_json({"type": kind, "id": msg["id"]})
+
+
+async def reporter(
+    ws: aiohttp.ClientWebSocketResponse, stop: asyncio.Event, steps: list[int]
+) -> None:
+    """The host's training progress: one report per 50 ms with a falling loss."""
+    step = 0
+    while not stop.is_set():
+        steps.append(step)
+        loss = 5.0 * math.exp(-step / 30) + 0.1 * math.sin(step)
+        await ws.send_json(
+            status(step, loss, "aaaa", tokens_per_s=1500, probe="ok", state="training")
+        )
+        step += 1
+        await asyncio.sleep(0.05)
+
+
+@dataclass
+class Room:
+    """The fake peers of one private room and what the fake host has seen."""
+
+    url: str
+    key: str
+    host: aiohttp.ClientWebSocketResponse
+    host_id: str
+    carol: aiohttp.ClientWebSocketResponse
+    carol_id: str
+    bob: aiohttp.ClientWebSocketResponse
+    bob_id: str
+    stop: asyncio.Event = field(default_factory=asyncio.Event)
+    steps: list[int] = field(default_factory=list)
+    decisions: list[dict] = field(default_factory=list)
+
+
+async def test_dashboard_in_chromium(tmp_path: Path) -> None:
+    if not CHROMIUM.is_file():
+        pytest.fail(
+            f"{CHROMIUM} is missing: the dashboard test needs Debian's chromium package "
+            "(run: bash scripts/install-system.sh, or apt-get install chromium)"
+        )
+    runner = web.AppRunner(create_app())
+    await runner.setup()
+    site = web.TCPSite(runner, "127.0.0.1", 0)
+    await site.start()
+    url = f"http://127.0.0.1:{site._server.sockets[0].getsockname()[1]}"
+    session = aiohttp.ClientSession()
+    tasks: list[asyncio.Task] = []
+
+    async def join(name: str) -> tuple[aiohttp.ClientWebSocketResponse, str]:
+        ws = await session.ws_connect(url + "/ws", params={"room": ROOM, "name": name})
+        return ws, (await recv(ws, "welcome"))["id"]
+
+    try:
+        # host alice, an approved member carol, and bob waiting
+        host, host_id = await join("alice")
+        key = (await recv(host, "host_key"))["key"]
+        carol, carol_id = await join("carol")
+        await host.send_json({"type": "approve", "id": carol_id})
+        await recv(carol, "approved")
+        bob, bob_id = await join("bob")
+        room = Room(url, key, host, host_id, carol, carol_id, bob, bob_id)
+        tasks += [
+            asyncio.create_task(host_loop(host, room.decisions)),
+            asyncio.create_task(reporter(host, room.stop, room.steps)),
+        ]
+        async with async_playwright() as pw:
+            ctx = await pw.chromium.launch_persistent_context(
+                str(tmp_path / "profile"),  # fresh user-data-dir
+                executable_path=str(CHROMIUM),
+                headless=True,
+                args=CHROMIUM_ARGS,
+                viewport={"width": 1100, "height": 900},
+            )
+            try:
+                await _drive(ctx, room, join, tmp_path)
+            finally:
+                await ctx.close()
+    finally:
+        for t in tasks:
+            t.cancel()
+        for t in tasks:
+            with contextlib.suppress(asyncio.CancelledError, Exception):
+                await t
+        await session.close()
+        await runner.cleanup()
+
+
+async def _drive(ctx: BrowserContext, room: Room, join, tmp_path: Path) -> None:
+    url, key, host, host_id = room.url, room.key, room.host, room.host_id
+    carol, carol_id, bob, bob_id = room.carol, room.carol_id, room.bob, room.bob_id
+    requests: list[str] = []
+    ctx.on("request", lambda r: requests.append(r.url))
+    errors: list[str] = []
+
+    page = await ctx.new_page()
+    page.on("pageerror", lambda e: errors.append(str(e)))
+    await page.goto(f"{url}/?room={ROOM}&key={key}&poll=150")
+
+    # the loss curve is drawn and grows as reports arrive
+    line = page.locator(f"#loss-{host_id}")
+    await line.wait_for(state="attached", timeout=5000)
+    before = await line.get_attribute("points")
+    await page.wait_for_function(
+        "([id, old]) => { const l = document.getElementById('loss-' + id);"
+        " return l && l.getAttribute('points') !== old && Number(l.dataset.count) > 5; }",
+        arg=[host_id, before],
+        timeout=5000,
+    )
+    after = await line.get_attribute("points")
+    assert after != before and len(after.split()) > len(before.split())
+    await page.wait_for_function(
+        "() => document.getElementById('run-state').textContent === 'training'", timeout=3000
+    )
+    assert float(await page.text_content("#tokens")) == 1500
+
+    # Accept bob by clicking; the decision reaches the host, which approves him
+    accept = page.locator(f'.waiting-row[data-peer="{bob_id}"] button.accept')
+    await accept.wait_for(timeout=5000)
+    assert await page.locator(".waiting-row .name").all_text_contents() == ["bob"]
+    await accept.click()
+    await recv(bob, "approved")
+    assert room.decisions == [{"type": "decision", "id": bob_id, "approve": True}]
+    await page.wait_for_selector(f'#members tr[data-peer="{bob_id}"]', timeout=5000)
+    assert await page.locator(".waiting-row").count() == 0
+
+    # everyone reports the same step; bob's weight hash differs: shown in red
+    room.stop.set()
+    await asyncio.sleep(0.1)  # let the reporter's last send land first
+    top = room.steps[-1] + 1
+    for ws, hsh, probe, state in [
+        (host, "aaaa", "ok", "training"),
+        (carol, "aaaa", "ok", "training"),
+        (bob, "bbbb", "bad", "halted"),
+    ]:
+        await ws.send_json(status(top, 0.9, hsh, tokens_per_s=1000, probe=probe, state=state))
+    await page.wait_for_function(
+        "(top) => document.getElementById('hash-summary').textContent"
+        " === 'DIVERGED at step ' + top",
+        arg=top,
+        timeout=5000,
+    )
+    row = '#members tr[data-peer="{}"]'
+    assert "diverged" in await page.get_attribute(row.format(bob_id) + " td.hash", "class")
+    assert "diverged" not in await page.get_attribute(row.format(carol_id) + " td.hash", "class")
+    assert "bad" in await page.get_attribute(row.format(bob_id) + " td.probe", "class")
+    assert await page.get_attribute("#hash-summary", "class") == "diverged"
+    assert await page.text_content("#probe-summary") == "1 bad"
+    assert float(await page.text_content("#tokens")) == 3000  # summed over peers
+    red = await page.eval_on_selector("#hash-summary", "e => getComputedStyle(e).color")
+    assert red == "rgb(192, 21, 27)"
+    shot = tmp_path / "dashboard.png"
+    await page.screenshot(path=str(shot), full_page=True)
+    print("dashboard screenshot:", shot)
+
+    # a page without the key: watches (as a member), never approves
+    watcher = await ctx.new_page()
+    watcher.on("pageerror", lambda e: errors.append(str(e)))
+    await watcher.goto(f"{url}/?room={ROOM}&peer={carol_id}&poll=150")
+    await watcher.wait_for_selector(f'#members tr[data-peer="{host_id}"]', timeout=5000)
+    dan, dan_id = await join("dan")
+    try:
+        await watcher.wait_for_function(
+            "() => /1 waiting/.test(document.getElementById('waiting').textContent)",
+            timeout=5000,
+        )
+        assert await watcher.locator("button.accept").count() == 0
+        assert "dan" not in await watcher.text_content("#waiting")
+        forged = await watcher.evaluate(
+            """async ([room, id]) => (await fetch('/api/rooms/' + room + '/decide', {
+                 method: 'POST', headers: {'Content-Type': 'application/json'},
+                 body: JSON.stringify({key: 'forged', id, approve: true})})).status""",
+            [ROOM, dan_id],
+        )
+        assert forged == 403
+        await asyncio.sleep(0.2)
+        assert len(room.decisions) == 1  # nothing forged reached the host
+        # while the host's page, with the key, does offer dan
+        await page.wait_for_selector(f'.waiting-row[data-peer="{dan_id}"] button.accept')
+        # a stranger with only the room code sees nothing of the room
+        stranger = await ctx.new_page()
+        await stranger.goto(f"{url}/?room={ROOM}&poll=150")
+        await stranger.wait_for_selector("#error:not([hidden])", timeout=5000)
+        assert await stranger.locator("#group").is_hidden()
+        assert "bob" not in await stranger.content()
+    finally:
+        await dan.close()
+
+    assert not errors, errors
+    assert all(u.startswith(url) for u in requests), [u for u in requests if not u.startswith(url)]
