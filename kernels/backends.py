@@ -1,0 +1,244 @@
+"""The GEMM backends, best first: ``blas``, ``blas64``, ``mirror``, ``lut``.
+
+Every backend takes int8 [m,k] x int8 [k,n] (already validated) and returns the exact int32
+product. ``gemm_values`` is the same product on integer-valued float32 operands (what
+``int8_matmul`` produces), returned as any integer-valued array; only ``blas`` has a real
+fast path there. Whether a backend may run at all is decided by ``kernels.gate``.
+
+Extra memory per call (beyond inputs and the int32 result), the bound ``peak_bytes`` states
+and the tests check with tracemalloc. No backend materialises an (m, n, k) temporary.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+Array = np.ndarray
+
+
+class Backend:
+    """Interface and defaults. Subclasses override ``gemm`` (and maybe the rest)."""
+
+    name = "?"
+    #: K values where the backend's blocking changes; the gate probes K-1, K, K+1 at each.
+    k_edges: tuple[int, ...] = ()
+    #: m values where row blocking changes; the gate probes them the same way.
+    m_edges: tuple[int, ...] = ()
+
+    def gemm(self, a: Array, b: Array) -> Array:
+        raise NotImplementedError
+
+    def gemm_values(self, a: Array, b: Array) -> Array:
+        """Exact product of integer-valued float32 operands in [-128, 127]."""
+        return self.gemm(a.astype(np.int8), b.astype(np.int8))
+
+    def poison(self) -> None:
+        """Fill every buffer reused across calls with garbage (the gate's dirty-pool test)."""
+
+    def peak_bytes(self, m: int, k: int, n: int) -> int:
+        raise NotImplementedError
+
+
+K_BLOCK_F32 = 1024  # float32 block: 1024 * 2**14 = 2**24, the last exact integer run
+
+
+class BlasBackend(Backend):
+    """int8 values carried as float32 through numpy matmul (OpenBLAS sgemm), K-blocked.
+
+    Exactness: whatever order, blocking or FMA use the BLAS kernel picks, each partial sum
+    it forms is a sum of a subset of the K products a*b, each |a*b| <= 128*128 = 2**14, so
+    its magnitude is <= K * 2**14. With K <= 1024 that is <= 2**24, and every integer of
+    magnitude <= 2**24 is a float32, so every rounding step is exact and so is the result.
+    K = 1024 with all -128 reaches exactly 2**24 (the edge; the gate tests it, and
+    K = 1025 with one odd product beyond, which a 1025-wide block would round).
+    For K > 1024, blocks of 1024 are multiplied separately and summed in int32, which is
+    exact because K <= K_MAX keeps the total below 2**31.
+
+    Memory: 4(mk + kn) bytes of float32 operands plus 4mn for the float32 product, and for
+    K > 1024 another 8mn (a reused float32 block workspace plus one int32 block temp).
+    """
+
+    name = "blas"
+    K_BLOCK = K_BLOCK_F32
+    k_edges = (1024, 2048)
+    #: the block workspace is kept between calls only up to this size
+    WORK_CAP = 32 << 20
+
+    def __init__(self) -> None:
+        self._work = np.empty(0, np.float32)
+
+    def _workspace(self, m: int, n: int) -> Array:
+        if self._work.size < m * n:
+            buf = np.empty(m * n, np.float32)
+            if buf.nbytes <= self.WORK_CAP:
+                self._work = buf
+            return buf.reshape(m, n)
+        return self._work[: m * n].reshape(m, n)
+
+    def poison(self) -> None:
+        self._work.fill(np.nan)
+
+    def product(self, af: Array, bf: Array) -> Array:
+        """Exact product of integer-valued float32 operands: float32 if K <= 1024, else int32."""
+        k = af.shape[1]
+        kb = self.K_BLOCK
+        if k <= kb:
+            return np.matmul(af, bf)
+        work = self._workspace(af.shape[0], bf.shape[1])
+        acc = np.matmul(af[:, :kb], bf[:kb]).astype(np.int32)
+        for j in range(kb, k, kb):
+            np.matmul(af[:, j : j + kb], bf[j : j + kb], out=work)
+            acc += work.astype(np.int32)
+        return acc
+
+    def gemm(self, a: Array, b: Array) -> Array:
+        r = self.product(a.astype(np.float32), b.astype(np.float32))
+        return r if r.dtype == np.int32 else r.astype(np.int32)
+
+    def gemm_values(self, a: Array, b: Array) -> Array:
+        return self.product(a, b)
+
+    def peak_bytes(self, m: int, k: int, n: int) -> int:
+        extra = 8 * m * n if k > self.K_BLOCK else 0
+        return 4 * (m * k + k * n) + 4 * m * n + extra
+
+
+class Blas64Backend(Backend):
+    """float64 matmul (dgemm): every partial sum is an integer below 2**31 < 2**53, so one
+    unblocked call is exact for every K <= K_MAX. About half the speed of ``blas``.
+
+    Memory: 8(mk + kn + mn) bytes of float64 operands and product.
+    """
+
+    name = "blas64"
+
+    def gemm(self, a: Array, b: Array) -> Array:
+        return np.matmul(a.astype(np.float64), b.astype(np.float64)).astype(np.int32)
+
+    def gemm_values(self, a: Array, b: Array) -> Array:
+        return np.matmul(a.astype(np.float64), b.astype(np.float64))
+
+    def peak_bytes(self, m: int, k: int, n: int) -> int:
+        return 8 * (m * k + k * n + m * n)
+
+
+class MirrorBackend(Backend):
+    """Plain integer arithmetic (int64 numpy matmul, no BLAS): the definition of correct.
+
+    Rows are processed in blocks of M_BLOCK so memory is 8kn + 8*M_BLOCK*(k + n) bytes.
+    """
+
+    name = "mirror"
+    M_BLOCK = 256
+    m_edges = (256,)
+
+    def gemm(self, a: Array, b: Array) -> Array:
+        m = a.shape[0]
+        b64 = b.astype(np.int64)
+        out = np.empty((m, b.shape[1]), np.int32)
+        for i in range(0, m, self.M_BLOCK):
+            out[i : i + self.M_BLOCK] = a[i : i + self.M_BLOCK].astype(np.int64) @ b64
+        return out
+
+    def peak_bytes(self, m: int, k: int, n: int) -> int:
+        mb = min(m, self.M_BLOCK)
+        return 8 * k * n + 8 * mb * (k + n)
+
+
+def mirror_cells(a: Array, b: Array, rows: Array, cols: Array) -> Array:
+    """Exact int64 dot of row rows[i] of a with column cols[i] of b, for each i.
+
+    Works on int8 or integer-valued float operands; this is what the audit trusts.
+    """
+    ar = a[rows].astype(np.int64)
+    bc = b[:, cols].astype(np.int64)
+    return np.einsum("ij,ji->i", ar, bc)
+
+
+def build_product_table() -> Array:
+    """The 65,536 exact int8 x int8 products, flat, index (a + 128) * 256 + (b + 128).
+
+    Built by repeated addition (a cumulative sum) and certified against integer multiply
+    over the whole domain, so a fault in either construction is caught at build time.
+    """
+    v = np.arange(-128, 128, dtype=np.int32)
+    # row i of the cumulative sum is (i + 1) * v; shifting by 129 * v gives (i - 128) * v
+    table = np.cumsum(np.broadcast_to(v, (256, 256)), axis=0, dtype=np.int32) - 129 * v
+    certify_table(table.reshape(-1))
+    return table.reshape(-1)
+
+
+def certify_table(table: Array) -> None:
+    v = np.arange(-128, 128, dtype=np.int64)
+    ref = np.multiply.outer(v, v).reshape(-1)
+    if table.shape != (65536,) or table.dtype != np.int32 or not np.array_equal(table, ref):
+        bad = int(np.count_nonzero(table != ref)) if table.shape == ref.shape else -1
+        raise RuntimeError(f"lut product table failed certification ({bad} wrong entries)")
+
+
+class LutBackend(Backend):
+    """Products read from the certified 65,536-entry table, int32 accumulation (the emulated
+    GPU unit of the original). Exact: |sum| <= K_MAX * 2**14 < 2**31.
+
+    Works on (mb rows) x (kb of K) x n blocks of at most MAX_PRODUCTS products through two
+    buffers the instance keeps and reuses (intp indices, int32 products: 12 * MAX_PRODUCTS
+    bytes), so a call's extra memory is only 4(mk + kn) of table indices + 4 * mb * n of
+    block sums, whatever the shape.
+    """
+
+    name = "lut"
+    MAX_PRODUCTS = 1 << 20
+    M_BLOCK = 64
+
+    def __init__(self) -> None:
+        self.table = build_product_table()
+        self._idx = np.empty(self.MAX_PRODUCTS, np.intp)  # take() wants intp: no cast copy
+        self._prod = np.empty(self.MAX_PRODUCTS, np.int32)
+
+    def poison(self) -> None:
+        self._idx.fill(0x7F7F7F7F)
+        self._prod.fill(-0x12345679)
+
+    def blocks(self, m: int, k: int, n: int) -> tuple[int, int]:
+        mb = max(1, min(m, self.M_BLOCK, self.MAX_PRODUCTS // n))
+        kb = max(1, min(k, self.MAX_PRODUCTS // (mb * n)))
+        return mb, kb
+
+    def gemm(self, a: Array, b: Array) -> Array:
+        m, k = a.shape
+        n = b.shape[1]
+        if n > self.MAX_PRODUCTS:
+            raise ValueError(f"lut backend supports n <= {self.MAX_PRODUCTS}, got {n}")
+        ia = a.astype(np.int32)  # in-place index arithmetic: no second (m, k) temporary
+        ia += 128
+        ia *= 256
+        ib = b.astype(np.int32)
+        ib += 128
+        mb, kb = self.blocks(m, k, n)
+        out = np.zeros((m, n), np.int32)
+        part = np.empty((mb, n), np.int32)
+        for i in range(0, m, mb):
+            rows = min(mb, m - i)
+            for j in range(0, k, kb):
+                cols = min(kb, k - j)
+                size = rows * cols * n
+                idx = self._idx[:size].reshape(rows, cols, n)
+                prod = self._prod[:size].reshape(rows, cols, n)
+                np.add(ia[i : i + rows, j : j + cols, None], ib[None, j : j + cols], out=idx)
+                np.take(self.table, idx, out=prod, mode="clip")  # in range: no buffer
+                np.add.reduce(prod, axis=1, dtype=np.int32, out=part[:rows])
+                out[i : i + rows] += part[:rows]
+        return out
+
+    def peak_bytes(self, m: int, k: int, n: int) -> int:
+        mb, _ = self.blocks(m, k, n)
+        return 4 * (m * k + k * n) + 4 * mb * n + 4 * m * n
+
+
+ORDER = ("blas", "blas64", "mirror", "lut")
+FACTORIES: dict[str, type[Backend]] = {
+    "blas": BlasBackend,
+    "blas64": Blas64Backend,
+    "mirror": MirrorBackend,
+    "lut": LutBackend,
+}

@@ -1,0 +1,157 @@
+"""Backend selection (gate at first use, demote on any mismatch), GEMM entry points and
+multiply-accumulate counters."""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+import numpy as np
+
+from . import audit
+from .backends import FACTORIES, ORDER, Backend
+from .errors import check_array, check_k, check_pair
+from .gate import gate_failure
+from .quantize import quantize_values, scale_inplace
+
+log = logging.getLogger("kernels")
+
+Array = np.ndarray
+
+_instances: dict[str, Backend] = {}
+_status: dict[str, bool] = {}
+_reason: dict[str, str] = {}
+_events: list[dict[str, str]] = []
+_forced: str | None = None
+_counts: dict[str, int] = {name: 0 for name in ORDER}
+
+
+def get_backend(name: str) -> Backend:
+    """The live instance of backend `name` (created on first use)."""
+    if name not in _instances:
+        _instances[name] = FACTORIES[name]()
+    return _instances[name]
+
+
+def demote(name: str, reason: str) -> None:
+    """Mark `name` unusable for the rest of the process; logged and kept in ``demotions()``."""
+    _status[name] = False
+    _reason[name] = reason
+    _events.append({"backend": name, "reason": reason})
+    log.warning("kernels: backend %s demoted: %s", name, reason)
+
+
+def _gated(name: str) -> bool:
+    if name not in _status:
+        try:
+            why = gate_failure(get_backend(name))
+        except Exception as e:  # e.g. the lut table failed certification while building
+            why = f"could not start: {type(e).__name__}: {e}"
+        if why is None:
+            _status[name] = True
+        else:
+            demote(name, f"failed its exact gate: {why}")
+    return _status[name]
+
+
+def active_backend() -> str:
+    """Name of the backend GEMMs run on now: the first that passed its gate (starting at
+    the forced one, if any) and has not been demoted since."""
+    start = ORDER.index(_forced) if _forced else 0
+    for name in (*ORDER[start:], "mirror"):
+        if _gated(name):
+            return name
+    raise RuntimeError("no kernel backend passed its gate, not even the integer mirror")
+
+
+def backends() -> list[tuple[str, bool | None]]:
+    """[(name, status)] best first: True passed its gate, False demoted, None not gated yet."""
+    return [(name, _status.get(name)) for name in ORDER]
+
+
+def backend_status() -> dict[str, dict[str, Any]]:
+    return {name: {"ok": _status.get(name), "reason": _reason.get(name)} for name in ORDER}
+
+
+def demotions() -> list[dict[str, str]]:
+    """Every demotion so far (gate or audit), oldest first."""
+    return list(_events)
+
+
+def reset() -> None:
+    """Forget gate results and demotions and rebuild backends (tests; counters are kept)."""
+    _instances.clear()
+    _status.clear()
+    _reason.clear()
+    _events.clear()
+
+
+class use_backend:
+    """Force a backend (``None`` for automatic); a plain call or a context manager.
+
+    A forced backend is still gated and audited; if it fails, GEMMs fall to the next one.
+    """
+
+    def __init__(self, name: str | None) -> None:
+        global _forced
+        if name is not None and name not in ORDER:
+            raise ValueError(f"unknown backend {name!r}; choose from {ORDER}")
+        self.prev = _forced
+        _forced = name
+
+    def __enter__(self) -> use_backend:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        global _forced
+        _forced = self.prev
+
+
+def counters() -> dict[str, int]:
+    """Multiply-accumulates run through each backend since start."""
+    return dict(_counts)
+
+
+def _run(a: Array, b: Array, macs: int, values: bool) -> Array:
+    while True:
+        name = active_backend()
+        be = get_backend(name)
+        out = be.gemm_values(a, b) if values else be.gemm(a, b)
+        _counts[name] += macs
+        if name == "mirror" or not audit.config.enabled:
+            return out
+        why = audit.check(a, b, out)
+        if why is None:
+            return out
+        demote(name, f"audit: {why}")  # then recompute on the next backend
+
+
+def gemm_int8(a_q: Array, b_q: Array) -> Array:
+    """int8 [m,k] x int8 [k,n] -> exact int32 [m,n] on the active backend (audited).
+
+    Any int8 value (-128 included) is allowed; K > 131071 raises AccumulatorBoundError;
+    wrong dtypes raise TypeError and wrong shapes ValueError (never a silent cast).
+    """
+    m, k, n = check_pair(a_q, b_q, np.int8, ("a_q", "b_q"))
+    return _run(a_q, b_q, m * k * n, values=False)
+
+
+def int8_matmul(x: Array, w: Array) -> Array:
+    """float32 [m,k] @ [k,n] the way a model layer does it: quantize_rows(x),
+    quantize_cols(w), exact int8 GEMM, dequantize; bit-identical to calling those three.
+
+    Fast path: the quantized values stay integer-valued float32 (what sgemm consumes) and,
+    for K <= 1024, the exact float32 product is the f32(acc) the epilogue starts from and is
+    scaled in place, so no int8 or int32 copy of anything is made.
+    """
+    x = check_array("x", x, np.float32)
+    w = check_array("w", w, np.float32)
+    if x.shape[1] != w.shape[0]:
+        raise ValueError(f"inner dimensions differ: x is {x.shape}, w is {w.shape}")
+    check_k(x.shape[1])
+    qa, sa = quantize_values(x, 1, "x")
+    qb, sb = quantize_values(w, 0, "w")
+    acc = _run(qa, qb, x.shape[0] * x.shape[1] * w.shape[1], values=True)
+    # float32 products are fresh arrays owned here; int32/float64 ones round once to float32
+    y = acc if acc.dtype == np.float32 else acc.astype(np.float32)
+    return scale_inplace(y, sa, sb)
