@@ -56,6 +56,8 @@ __all__ = [
     "Gradient",
     "StepHashes",
     "RepairRequest",
+    "NO_ROSTER",
+    "roster_digest",
     "Heartbeat",
     "Halt",
     "Message",
@@ -303,10 +305,19 @@ class Gradient(_Msg):
 
 @dataclass(frozen=True)
 class StepHashes(_Msg):
+    """Hashes a peer publishes at boundary ``step`` (after ``step`` committed updates).
+
+    ``roster_hash`` is :func:`roster_digest` of the roster whose average produced this
+    boundary (``NO_ROSTER`` at a start or snapshot boundary): two peers' weight hashes
+    are only comparable when they applied the same roster, which matters when a roster
+    is amended and a peer recommits.
+    """
+
     step: int
     sender: str
     weight_hash: str
     probe_hash: str
+    roster_hash: str = "00"
 
     type: ClassVar[str] = "step_hashes"
     _checks: ClassVar[dict[str, Checker]] = {
@@ -314,7 +325,22 @@ class StepHashes(_Msg):
         "sender": _peer,
         "weight_hash": _hex,
         "probe_hash": _hex,
+        "roster_hash": _hex,
     }
+
+
+NO_ROSTER = "00"
+
+
+def roster_digest(members: tuple[str, ...] | list[str] | None) -> str:
+    """Short hex digest of an ordered roster (``NO_ROSTER`` for None)."""
+    if members is None:
+        return NO_ROSTER
+    h = hashlib.blake2b(digest_size=8)
+    for m in members:
+        b = m.encode("utf-8")
+        h.update(struct.pack("<I", len(b)) + b)  # length-prefixed: no ambiguity
+    return h.hexdigest()
 
 
 @dataclass(frozen=True)

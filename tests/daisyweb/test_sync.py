@@ -1,0 +1,542 @@
+"""Pure tests of the step protocol: several StepMachines on an in-process message bus.
+
+Messages go through the real wire codec; delivery is FIFO per ordered pair of peers
+(like a data channel) with the interleaving across pairs chosen by a seeded RNG, so
+the protocol is exercised under many orderings. Every test that trains to the end
+checks the peers' hashes against the single-process replay oracle.
+"""
+
+from __future__ import annotations
+
+import random
+from collections import deque
+from collections.abc import Callable
+from typing import Any
+
+import numpy as np
+import pytest
+
+from daisyweb import wire
+from daisyweb.optim import AdamConfig, DaisyAdam, weight_hash
+from daisyweb.replay import replay, replay_hashes
+from daisyweb.sync import (
+    Commit,
+    Compute,
+    Excluded,
+    Finish,
+    Send,
+    SendSnapshot,
+    StepMachine,
+    Stopped,
+    successor,
+)
+
+SIZE = 37
+ADAM = AdamConfig(lr=1e-2)
+GOOD_PROBE = "aa" * 16
+BAD_PROBE = "bb" * 16
+
+
+def initial_params() -> np.ndarray:
+    return np.random.default_rng(123).standard_normal(SIZE).astype(np.float32)
+
+
+def grad_for(peer: str, step: int) -> np.ndarray:
+    seed = (sum(peer.encode()) * 1000 + step) % (2**32)
+    return np.random.default_rng(seed).standard_normal(SIZE).astype(np.float32)
+
+
+class FakeReplica:
+    """Params + DaisyAdam, like train.TrainState, with backup/restore for rollback."""
+
+    def __init__(self) -> None:
+        self.params = initial_params()
+        self.opt = DaisyAdam(ADAM, SIZE)
+        self.applied: list[np.ndarray] = []
+
+    @property
+    def step(self) -> int:
+        return self.opt.step_count
+
+    @property
+    def size(self) -> int:
+        return SIZE
+
+    def apply(self, average: np.ndarray) -> None:
+        self.opt.step(self.params, average)
+        self.applied.append(average.copy())
+
+    def weight_hash(self) -> str:
+        return weight_hash(self.params, self.opt)
+
+    def backup(self) -> Any:
+        return self.params.copy(), self.opt.state_dict(), len(self.applied)
+
+    def restore(self, token: Any) -> None:
+        params, state, n = token
+        self.params = params.copy()
+        self.opt.load_state_dict(state)
+        del self.applied[n:]
+
+
+class Bus:
+    """Runs machines to quiescence; records commits, stops, finishes per peer."""
+
+    def __init__(
+        self,
+        peers: list[str],
+        steps: int,
+        seed: int = 0,
+        probes: dict[str, str] | None = None,
+        grad: Callable[[str, int], np.ndarray] = grad_for,
+        drop: Callable[[str, str, wire.Message], bool] | None = None,
+        repair_after: float = 1.0,
+        late: tuple[str, ...] = (),
+    ) -> None:
+        self.rng = random.Random(seed)
+        self.grad = grad
+        self.drop = drop
+        self.now = 0.0
+        self.replicas = {p: FakeReplica() for p in peers}
+        probes = probes if probes is not None else {}
+        self.machines: dict[str, StepMachine] = {
+            p: StepMachine(
+                p,
+                self.replicas[p],
+                steps,
+                (lambda q=p: probes.get(q, GOOD_PROBE)),
+                leader=peers[0],
+                members=[q for q in peers if q not in late] if p == peers[0] else (),
+                repair_after=repair_after,
+            )
+            for p in peers
+        }
+        self.queues: dict[tuple[str, str], deque[bytes]] = {}
+        self.computes: deque[tuple[str, int]] = deque()
+        self.commits: dict[str, list[Commit]] = {p: [] for p in peers}
+        self.stopped: dict[str, Stopped] = {}
+        self.finished: dict[str, Finish] = {}
+        self.excluded: list[Excluded] = []
+        self.snapshots: list[SendSnapshot] = []
+        self.dead: set[str] = set()
+        self.used: dict[int, tuple[tuple[str, ...], dict[str, np.ndarray]]] = {}
+        self.sent_grads: dict[tuple[str, int], np.ndarray] = {}
+        self.hold_compute: set[str] = set()  # peers whose gradient is computed on demand
+
+    def live(self) -> list[str]:
+        return [p for p in self.machines if p not in self.dead]
+
+    def handle(self, peer: str, actions: list) -> None:
+        for a in actions:
+            if isinstance(a, Send):
+                to = a.to if a.to is not None else [q for q in self.machines if q != peer]
+                data = wire.encode(a.message)
+                for q in to:
+                    if self.drop is not None and self.drop(peer, q, a.message):
+                        continue
+                    self.queues.setdefault((peer, q), deque()).append(data)
+            elif isinstance(a, Compute):
+                self.computes.append((peer, a.step))
+            elif isinstance(a, Commit):
+                self.commits[peer].append(a)
+            elif isinstance(a, Stopped):
+                self.stopped[peer] = a
+            elif isinstance(a, Finish):
+                self.finished[peer] = a
+            elif isinstance(a, Excluded):
+                self.excluded.append(a)
+            elif isinstance(a, SendSnapshot):
+                self.snapshots.append(a)
+
+    def start(self) -> None:
+        for p, m in self.machines.items():
+            self.handle(p, m.start(self.now))
+
+    def step_once(self) -> bool:
+        ready = [k for k, q in self.queues.items() if q and k[0] not in self.dead]
+        ready = [k for k in ready if k[1] not in self.dead]
+        computes = [c for c in self.computes if c[0] not in self.dead]
+        computes = [c for c in computes if c[0] not in self.hold_compute]
+        if not ready and not computes:
+            return False
+        if computes and (not ready or self.rng.random() < 0.3):
+            peer, step = computes[0]
+            self.computes.remove((peer, step))
+            g = self.grad(peer, step)
+            self.sent_grads[(peer, step)] = g
+            self.handle(peer, self.machines[peer].local_gradient(step, 1.0, g, self.now))
+            return True
+        src, dst = self.rng.choice(sorted(ready))
+        msg = wire.decode(self.queues[(src, dst)].popleft())
+        self.handle(dst, self.machines[dst].message(src, msg, self.now))
+        return True
+
+    def run(self, max_events: int = 100000) -> None:
+        for _ in range(max_events):
+            if not self.step_once():
+                return
+        raise AssertionError("bus did not settle")
+
+    def advance(self, dt: float) -> None:
+        self.now += dt
+        for p in self.live():
+            self.handle(p, self.machines[p].tick(self.now))
+        self.run()
+
+    def kill(self, peer: str) -> None:
+        """SIGKILL: queued messages from and to it vanish; survivors see it down."""
+        self.dead.add(peer)
+        for k in list(self.queues):
+            if peer in k:
+                del self.queues[k]
+        for p in self.live():
+            self.handle(p, self.machines[p].peer_down(peer, self.now))
+
+    def oracle_steps(self, peer: str) -> list[tuple[tuple[str, ...], dict[str, np.ndarray]]]:
+        """(roster, gradients) of every step ``peer`` committed (latest commit wins)."""
+        by_step: dict[int, Commit] = {}
+        for c in self.commits[peer]:
+            by_step[c.step] = c
+        return [
+            (by_step[s].roster, {q: self.sent_grads[(q, s)] for q in by_step[s].roster})
+            for s in sorted(by_step)
+        ]
+
+
+def _final_hashes(bus: Bus, peers: list[str]) -> set[str]:
+    return {bus.replicas[p].weight_hash() for p in peers}
+
+
+# --------------------------------------------------------------------------- part 1
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_three_peers_train_to_the_end_equal_to_replay(seed: int) -> None:
+    peers = ["a", "b", "c"]
+    bus = Bus(peers, steps=5, seed=seed)
+    bus.start()
+    bus.run()
+    assert set(bus.finished) == set(peers) and not bus.stopped
+    for p in peers:
+        assert [c.step for c in bus.commits[p]] == [0, 1, 2, 3, 4]
+        assert all(c.roster == ("a", "b", "c") for c in bus.commits[p])
+    # identical hashes at every step on every peer, equal to the replay oracle
+    per_step = [{bus.commits[p][s].weight_hash for p in peers} for s in range(5)]
+    assert all(len(h) == 1 for h in per_step)
+    oracle = replay_hashes(initial_params(), ADAM, bus.oracle_steps("a"))
+    assert [h.pop() for h in per_step] == oracle
+    assert _final_hashes(bus, peers) == {oracle[-1]}
+
+
+def test_roster_order_matters_for_the_oracle() -> None:
+    # The oracle is sensitive to roster order, so agreeing with it means something.
+    g = {p: np.full(SIZE, v, np.float32) for p, v in (("a", 1e8), ("b", 1.0), ("c", -1e8))}
+    h1 = replay(initial_params(), ADAM, [(("a", "b", "c"), g)])
+    h2 = replay(initial_params(), ADAM, [(("a", "c", "b"), g)])
+    assert h1 != h2
+
+
+def test_single_peer_is_a_roster_of_one() -> None:
+    bus = Bus(["solo"], steps=3)
+    bus.start()
+    bus.run()
+    assert bus.finished["solo"].step == 3
+    assert bus.replicas["solo"].weight_hash() == replay(
+        initial_params(), ADAM, bus.oracle_steps("solo")
+    )
+
+
+def test_member_waits_for_exactly_the_roster() -> None:
+    # c computes nothing: a and b must not commit step 0 without c's gradient.
+    bus = Bus(["a", "b", "c"], steps=2)
+    bus.hold_compute.add("c")
+    bus.start()
+    bus.run()
+    assert all(not bus.commits[p] for p in "abc")
+    assert all(bus.replicas[p].step == 0 for p in "abc")
+    bus.hold_compute.clear()
+    bus.run()
+    assert set(bus.finished) == {"a", "b", "c"}
+
+
+def _bad_grad(bad: str, at: int, kind: str) -> Callable[[str, int], np.ndarray]:
+    def grad(peer: str, step: int) -> np.ndarray:
+        g = grad_for(peer, step)
+        if peer == bad and step == at:
+            if kind == "nan":
+                g[3] = np.nan
+            elif kind == "inf":
+                g[0] = -np.inf
+            else:
+                g = g[:-1]
+        return g
+
+    return grad
+
+
+@pytest.mark.parametrize("kind", ["nan", "inf", "short"])
+def test_bad_local_gradient_halts_with_state_untouched(kind: str) -> None:
+    bus = Bus(["a", "b", "c"], steps=5, grad=_bad_grad("b", 2, kind))
+    bus.start()
+    bus.run()
+    assert set(bus.stopped) == {"a", "b", "c"} and not bus.finished
+    assert all(s.step == 2 for s in bus.stopped.values())
+    assert "b" in bus.stopped["b"].reason
+    for p in "abc":
+        # halted at step 2: two steps committed, the third never applied
+        assert bus.replicas[p].step == 2
+        assert bus.replicas[p].weight_hash() == bus.commits[p][-1].weight_hash
+
+
+@pytest.mark.parametrize("kind", ["nan", "short"])
+def test_bad_gradient_on_the_wire_is_refused(kind: str) -> None:
+    # The sender's own copy is fine; the receivers must refuse what arrives.
+    def corrupt(src: str, dst: str, msg: wire.Message) -> bool:
+        return False
+
+    bus = Bus(["a", "b", "c"], steps=4, drop=corrupt)
+    orig = bus.handle
+
+    def handle(peer: str, actions: list) -> None:
+        fixed = []
+        for a in actions:
+            m = a.message if isinstance(a, Send) else None
+            if isinstance(m, wire.Gradient) and m.sender == "c" and m.step == 1:
+                p = bytearray(m.payload)
+                if kind == "nan":
+                    p[0:4] = np.float32(np.nan).tobytes()
+                else:
+                    del p[-4:]
+                a = Send(a.to, wire.Gradient(m.step, m.sender, bytes(p)))
+            fixed.append(a)
+        orig(peer, fixed)
+
+    bus.handle = handle  # type: ignore[method-assign]
+    bus.start()
+    bus.run()
+    assert set(bus.stopped) == {"a", "b", "c"}
+    reasons = {bus.stopped[p].reason for p in "ab"}
+    assert all("gradient from c" in r for r in reasons)
+    expect = "NaN/Inf" if kind == "nan" else "expected"
+    assert all(expect in r for r in reasons)
+    for p in "ab":
+        assert bus.replicas[p].step == 1
+    # c holds the honest gradients and may have committed step 1 before the Halt
+    # reached it: still a valid state, one step ahead, never a partial average.
+    assert bus.replicas["c"].step in (1, 2)
+
+
+def test_weight_fork_halts_every_peer_naming_who_diverged() -> None:
+    bus = Bus(["a", "b", "c"], steps=6)
+    bus.start()
+    # let two steps go by, then flip one weight on c
+    while min(bus.replicas[p].step for p in "abc") < 2:
+        assert bus.step_once()
+    fork_at = bus.replicas["c"].step
+    bus.replicas["c"].params[0] += np.float32(1.0)
+    bus.run()
+    assert set(bus.stopped) == {"a", "b", "c"} and not bus.finished
+    assert all("c" in s.reason for s in bus.stopped.values())
+    assert all(s.step <= fork_at + 1 for s in bus.stopped.values())
+    # a and b still agree with each other
+    assert len(_final_hashes(bus, ["a", "b"])) == 1
+
+
+def test_leader_names_the_minority_of_a_fork() -> None:
+    bus = Bus(["a", "b", "c", "d"], steps=3)
+    bus.replicas["d"].params[5] = np.float32(7.0)  # d diverged before the start
+    bus.start()
+    bus.run()
+    assert "a" in bus.stopped
+    assert "d differ from the majority" in bus.stopped["a"].reason
+    assert all(bus.replicas[p].step == 0 for p in "abcd")
+
+
+def test_bad_probe_is_excluded_before_its_gradient_is_used() -> None:
+    bus = Bus(["a", "b", "c"], steps=4, probes={"b": BAD_PROBE})
+    bus.start()
+    bus.run()
+    assert "b" in bus.stopped and "probe" in bus.stopped["b"].reason
+    assert [e.peer for e in bus.excluded] == ["b"]
+    assert set(bus.finished) == {"a", "c"}
+    for p in "ac":
+        assert all(c.roster == ("a", "c") for c in bus.commits[p])
+    # b's gradient was never used: the oracle over a and c only matches
+    assert not any(k[0] == "b" for k in bus.sent_grads)
+    assert _final_hashes(bus, ["a", "c"]) == {
+        replay(initial_params(), ADAM, bus.oracle_steps("a"))
+    }
+
+
+def test_probe_breaking_mid_run_is_excluded_at_the_next_boundary() -> None:
+    probes: dict[str, str] = {}
+    bus = Bus(["a", "b", "c"], steps=5, probes=probes)
+    bus.start()
+    while bus.replicas["a"].step < 1:
+        assert bus.step_once()
+    probes["c"] = BAD_PROBE  # read at c's next boundary
+    bus.run()
+    assert "c" in bus.stopped and set(bus.finished) == {"a", "b"}
+    rosters = [c.roster for c in bus.commits["a"]]
+    assert rosters[0] == ("a", "b", "c") and rosters[-1] == ("a", "b")
+    assert _final_hashes(bus, ["a", "b"]) == {
+        replay(initial_params(), ADAM, bus.oracle_steps("a"))
+    }
+
+
+def test_probe_tie_halts() -> None:
+    bus = Bus(["a", "b"], steps=3, probes={"b": BAD_PROBE})
+    bus.start()
+    bus.run()
+    assert set(bus.stopped) == {"a", "b"}
+    assert "no majority" in bus.stopped["a"].reason
+
+
+def test_only_the_leader_names_rosters() -> None:
+    bus = Bus(["a", "b", "c"], steps=3)
+    bus.start()
+    bus.run()
+    m = bus.machines["b"]
+    before = m.replica.step
+    assert m.message("c", wire.Roster(before, ["c"]), 0.0) == []
+
+
+def test_relayed_gradient_from_non_leader_is_ignored() -> None:
+    bus = Bus(["a", "b", "c"], steps=3)
+    bus.hold_compute.update("abc")
+    bus.start()
+    bus.run()
+    m = bus.machines["b"]
+    # c relays a forged gradient claiming to be a's: ignored (only the leader repairs)
+    forged = wire.Gradient(0, "a", np.full(SIZE, np.nan, np.float32).tobytes())
+    assert m.message("c", forged, 0.0) == []
+    assert not m.done
+
+
+# --------------------------------------------------------------------------- part 2
+
+
+def test_dropped_gradient_is_repaired_bit_exact() -> None:
+    dropped: list[wire.Message] = []
+
+    def drop(src: str, dst: str, msg: wire.Message) -> bool:
+        if isinstance(msg, wire.Gradient) and (src, dst, msg.step) == ("b", "c", 2):
+            dropped.append(msg)
+            return True
+        return False
+
+    bus = Bus(["a", "b", "c"], steps=5, drop=drop)
+    bus.start()
+    bus.run()
+    assert dropped and not bus.finished
+    assert bus.replicas["c"].step == 2  # c waits, never a partial average
+    bus.advance(1.5)  # repair timer: c asks a, which resends b's bytes
+    assert set(bus.finished) == {"a", "b", "c"}
+    assert all(c.roster == ("a", "b", "c") for c in bus.commits["c"])
+    assert _final_hashes(bus, ["a", "b", "c"]) == {
+        replay(initial_params(), ADAM, bus.oracle_steps("a"))
+    }
+
+
+def test_dead_follower_mid_step_is_amended_and_dropped() -> None:
+    bus = Bus(["a", "b", "c"], steps=5)
+    bus.start()
+    while bus.replicas["a"].step < 2:
+        assert bus.step_once()
+    bus.hold_compute.add("c")  # c dies before sending step 2's gradient
+    bus.run()
+    bus.kill("c")
+    bus.run()
+    assert set(bus.finished) == {"a", "b"}
+    rosters = [c.roster for c in bus.commits["a"]]
+    assert rosters == [("a", "b", "c")] * 2 + [("a", "b")] * 3
+    assert {c.peer for c in bus.excluded} == {"c"}
+    assert _final_hashes(bus, ["a", "b"]) == {
+        replay(initial_params(), ADAM, bus.oracle_steps("a"))
+    }
+
+
+def test_amendment_rolls_back_a_member_that_already_committed() -> None:
+    # c's step-1 gradient reaches b but not a, then c dies: a amends step 1 to (a, b);
+    # b, which committed with c's gradient, must roll back and recommit.
+    def drop(src: str, dst: str, msg: wire.Message) -> bool:
+        return isinstance(msg, wire.Gradient) and (src, dst, msg.step) == ("c", "a", 1)
+
+    bus = Bus(["a", "b", "c"], steps=4, drop=drop)
+    bus.start()
+    bus.run()
+    assert bus.replicas["b"].step == 2 and bus.replicas["a"].step == 1
+    bus.kill("c")
+    bus.run()
+    assert set(bus.finished) == {"a", "b"} and not bus.stopped
+    assert any(c.rollback for c in bus.commits["b"])
+    for p in "ab":
+        assert [r for r, _ in bus.oracle_steps(p)][1] == ("a", "b")
+    assert _final_hashes(bus, ["a", "b"]) == {
+        replay(initial_params(), ADAM, bus.oracle_steps("a"))
+    }
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_leader_killed_mid_step_successor_finishes(seed: int) -> None:
+    bus = Bus(["a", "b", "c", "d"], steps=6, seed=seed)
+    bus.start()
+    while bus.replicas["b"].step < 3:
+        assert bus.step_once()
+    bus.kill("a")
+    bus.run()
+    survivors = ["b", "c", "d"]
+    assert all(bus.machines[p].leader == "b" for p in survivors)  # no split brain
+    assert set(bus.finished) == set(survivors), bus.stopped
+    assert len(_final_hashes(bus, survivors)) == 1
+    oracle = replay(initial_params(), ADAM, bus.oracle_steps("b"))
+    assert _final_hashes(bus, survivors) == {oracle}
+    assert [c.step for c in bus.commits["b"] if not c.rollback][-1] == 5  # no step lost
+
+
+def test_successor_rule() -> None:
+    alive = {"b", "d"}.__contains__
+    assert successor(("a", "b", "c", "d"), "a", alive) == "b"
+    assert successor(("a", "b", "c", "d"), "c", alive) == "d"
+    assert successor(("d", "a", "b"), "b", alive) == "d"
+    assert successor(("a",), "a", alive) is None
+
+
+def test_join_gets_a_snapshot_at_a_boundary() -> None:
+    bus = Bus(["a", "b", "c", "d"], steps=6, late=("d",))
+    d = bus.machines.pop("d")
+    bus.start()
+    while bus.replicas["a"].step < 2:
+        assert bus.step_once()
+    bus.handle("a", bus.machines["a"].peer_up("d", bus.now))
+    bus.run()
+    assert bus.snapshots and bus.snapshots[0].peer == "d"
+    b = bus.snapshots[0].step
+    # the driver ships the leader's state; d loads it and starts at that boundary
+    src = bus.replicas["a"]
+    bus.replicas["d"].params = src.params.copy()
+    bus.replicas["d"].opt.load_state_dict(src.opt.state_dict())
+    assert bus.replicas["d"].step == b
+    bus.machines["d"] = d
+    bus.handle("d", d.start(bus.now))
+    bus.run()
+    assert set(bus.finished) == {"a", "b", "c", "d"}, bus.stopped
+    assert [c.step for c in bus.commits["d"]] == list(range(b, 6))
+    assert all("d" in c.roster for c in bus.commits["a"] if c.step >= b)
+    assert len(_final_hashes(bus, ["a", "b", "c", "d"])) == 1
+    assert _final_hashes(bus, ["a"]) == {replay(initial_params(), ADAM, bus.oracle_steps("a"))}
+
+
+def test_join_with_a_bad_snapshot_is_excluded() -> None:
+    bus = Bus(["a", "b", "c"], steps=4, late=("c",))
+    c = bus.machines.pop("c")
+    bus.start()
+    bus.handle("a", bus.machines["a"].peer_up("c", bus.now))
+    bus.run()
+    assert bus.snapshots
+    bus.replicas["c"].params[0] += np.float32(3.0)  # not the leader's state
+    bus.machines["c"] = c
+    bus.handle("c", c.start(bus.now))
+    bus.run()
+    assert "c" in bus.stopped and "snapshot" in bus.stopped["c"].reason
+    assert set(bus.finished) == {"a", "b"}
