@@ -21,13 +21,13 @@ from .corpus import builtin_slice
 log = logging.getLogger("daisyweb.signal")
 
 
-def find_static_dir() -> Path:
+def find_static_dir(here: Path | None = None) -> Path:
     """The dashboard's files: ``signaling/static`` when packaged, else the repo's ``static/``.
 
     An editable install (and a source checkout) runs from the tree, where the page lives
     in the top-level ``static/``; a wheel can only carry files inside a package.
     """
-    here = Path(__file__).resolve().parent
+    here = here or Path(__file__).resolve().parent
     for cand in (here / "static", here.parent / "static"):
         if (cand / "index.html").is_file():
             return cand

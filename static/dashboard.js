@@ -313,7 +313,8 @@ async function refreshGroup() {
       $("group").hidden = true;
       showError(ROOM
         ? "No such room, or you may not see it: a private room is shown only with the " +
-          "host's link (key) or the id of one of its members (?peer=ID)."
+          "current host's link (it stops working when hosting changes hands) or the id " +
+          "of one of its members (?peer=ID)."
         : "No such group (it may have emptied).");
       return;
     }

@@ -76,6 +76,7 @@ async def reporter(
 class Room:
     """The fake peers of one private room and what the fake host has seen."""
 
+    session: aiohttp.ClientSession
     url: str
     key: str
     host: aiohttp.ClientWebSocketResponse
@@ -115,7 +116,7 @@ async def test_dashboard_in_chromium(tmp_path: Path) -> None:
         await host.send_json({"type": "approve", "id": carol_id})
         await recv(carol, "approved")
         bob, bob_id = await join("bob")
-        room = Room(url, key, host, host_id, carol, carol_id, bob, bob_id)
+        room = Room(session, url, key, host, host_id, carol, carol_id, bob, bob_id)
         tasks += [
             asyncio.create_task(host_loop(host, room.decisions)),
             asyncio.create_task(reporter(host, room.stop, room.steps)),
@@ -149,8 +150,22 @@ async def _drive(ctx: BrowserContext, room: Room, join, tmp_path: Path) -> None:
     ctx.on("request", lambda r: requests.append(r.url))
     errors: list[str] = []
 
+    # the overview lists a public group with its progress, never the private room
+    public = await room.session.ws_connect(url + "/ws", params={"name": "pub"})
+    gid = (await recv(public, "welcome"))["group"]
+    await public.send_json(status(7, 2.5, "cccc"))
     page = await ctx.new_page()
     page.on("pageerror", lambda e: errors.append(str(e)))
+    await page.goto(f"{url}/?poll=150")
+    await page.wait_for_selector(f'#groups tr[data-group="{gid}"]', timeout=5000)
+    cells = await page.locator(f'#groups tr[data-group="{gid}"] td').all_text_contents()
+    assert cells == [gid, "1", "7", "2.5000"]
+    assert await page.locator("#groups tbody tr").count() == 1
+    await page.click(f'#groups tr[data-group="{gid}"] a')
+    await page.locator("#members tbody tr").filter(has_text="pub").wait_for(timeout=5000)
+    assert await page.text_content("#step") == "7"
+    await public.close()
+
     await page.goto(f"{url}/?room={ROOM}&key={key}&poll=150")
 
     # the loss curve is drawn and grows as reports arrive

@@ -8,6 +8,7 @@ from __future__ import annotations
 import asyncio
 import json
 import math
+from pathlib import Path
 
 import aiohttp
 import pytest
@@ -308,3 +309,26 @@ async def test_index_headers_and_assets(srv: Server) -> None:
         async with srv.session.get(srv.url + "/static/" + asset) as r:
             assert r.status == 200
     assert (server.find_static_dir() / "index.html").is_file()
+
+
+def test_static_dir_prefers_packaged_copy(tmp_path: Path) -> None:
+    pkg = tmp_path / "signaling"
+    (tmp_path / "static").mkdir()
+    (tmp_path / "static" / "index.html").write_text("tree")
+    pkg.mkdir()
+    assert server.find_static_dir(pkg) == tmp_path / "static"  # source tree / editable
+    (pkg / "static").mkdir()
+    (pkg / "static" / "index.html").write_text("wheel")
+    assert server.find_static_dir(pkg) == pkg / "static"  # installed from a wheel
+
+
+async def test_index_without_static_dir_still_answers(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    monkeypatch.setattr(server, "STATIC_DIR", tmp_path / "missing")
+    s = await Server().start()
+    try:
+        code, text = await s.get("/")
+        assert code == 200 and "signaling server is up" in text
+    finally:
+        await s.stop()
