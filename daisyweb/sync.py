@@ -34,7 +34,8 @@ Failures (part 2)
 - Repair: a member missing a roster gradient ``repair_after`` seconds after it sent its
   own asks the leader (``RepairRequest``). The leader keeps the raw payloads of the last
   ``history`` steps and resends them bit-exact (a ``Gradient`` whose ``sender`` is the
-  original sender, relayed by the leader -- the only relay accepted).
+  original sender, relayed by the leader -- the only relay accepted). A leader missing
+  a live member's gradient asks that member, which resends its own.
 - Amendment: if the leader lacks the gradient too and its sender is down, it re-issues
   ``Roster(b, members - {dead})``; everyone averages over the amended roster. A member
   that already committed step ``b`` with the old roster rolls back to its backup of
@@ -367,6 +368,9 @@ class StepMachine:
                     if self.is_leader:
                         if not self._alive(p):
                             self._amend(out, self.boundary, p, now)
+                        else:
+                            # Nobody to ask but the sender itself.
+                            out.append(Send((p,), wire.RepairRequest(self.boundary, p)))
                     else:
                         out.append(Send((self.leader,), wire.RepairRequest(self.boundary, p)))
         for p, t0 in list(self._pending.items()):
@@ -510,9 +514,13 @@ class StepMachine:
     def _on_repair_request(
         self, out: list[Action], peer: str, msg: wire.RepairRequest, now: float
     ) -> None:
-        if not self.is_leader:
-            return
         st = self._steps.get(msg.step)
+        if not self.is_leader:
+            # A follower only resends its own gradient (the leader asks when it lacks it).
+            own = st.grads.get(self.self_id) if st else None
+            if msg.sender_of_missing == self.self_id and peer == self.leader and own:
+                out.append(Send((peer,), wire.Gradient(msg.step, self.self_id, own)))
+            return
         payload = st.grads.get(msg.sender_of_missing) if st else None
         if payload is not None:
             out.append(Send((peer,), wire.Gradient(msg.step, msg.sender_of_missing, payload)))
@@ -566,6 +574,8 @@ class StepMachine:
             del self._committed[old]
         for old in [k for k in self._steps if k < step - self.history + 1]:
             del self._steps[old]
+        for key in [k for k in self._rosters_seen if k[1] < step]:
+            del self._rosters_seen[key]
         if not self.is_leader:
             # Followers never resend; keep only the step for a possible rollback.
             for k, s in self._steps.items():
