@@ -195,8 +195,16 @@ function drawChart(info, colorOf) {
   for (const node of [...lines.children]) if (!keep.has(node.id)) node.remove();
 }
 
+let waitingDrawn = "";
+
 function drawWaiting(info) {
   const box = $("waiting");
+  const waiting = info.waiting_peers || [];
+  for (const id of [...pending]) if (!waiting.some((w) => w.id === id)) pending.delete(id);
+  // Rebuild only on change: a button replaced between mouse-down and mouse-up loses the click.
+  const drawn = JSON.stringify([info.can_decide, info.waiting, waiting, [...pending]]);
+  if (drawn === waitingDrawn) return;
+  waitingDrawn = drawn;
   box.replaceChildren();
   if (!info.can_decide) {
     box.appendChild(el("p", info.waiting
@@ -204,8 +212,6 @@ function drawWaiting(info) {
       : "None.", "hint"));
     return;
   }
-  const waiting = info.waiting_peers || [];
-  for (const id of [...pending]) if (!waiting.some((w) => w.id === id)) pending.delete(id);
   if (!waiting.length) box.appendChild(el("p", "None.", "hint"));
   for (const w of waiting) {
     const row = el("div", null, "waiting-row");

@@ -254,6 +254,11 @@ async def _drive(ctx: BrowserContext, room: Room, join, tmp_path: Path) -> None:
         await stranger.wait_for_selector("#error:not([hidden])", timeout=5000)
         assert await stranger.locator("#group").is_hidden()
         assert "bob" not in await stranger.content()
+        # the host's page denies dan: the host peer refuses him and the server drops him
+        await page.click(f'.waiting-row[data-peer="{dan_id}"] button.deny')
+        await recv(dan, "denied")
+        assert room.decisions[-1] == {"type": "decision", "id": dan_id, "approve": False}
+        await page.wait_for_function("() => !document.querySelector('.waiting-row')", timeout=5000)
     finally:
         await dan.close()
 
