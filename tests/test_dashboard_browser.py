@@ -157,12 +157,12 @@ async def _drive(ctx: BrowserContext, room: Room, join, tmp_path: Path) -> None:
     page = await ctx.new_page()
     page.on("pageerror", lambda e: errors.append(str(e)))
     await page.goto(f"{url}/?poll=150")
-    await page.wait_for_selector(f'#groups tr[data-group="{gid}"]', timeout=5000)
+    await page.wait_for_selector(f'#groups tr[data-group="{gid}"]', timeout=10000)
     cells = await page.locator(f'#groups tr[data-group="{gid}"] td').all_text_contents()
     assert cells == [gid, "1", "7", "2.5000"]
     assert await page.locator("#groups tbody tr").count() == 1
     await page.click(f'#groups tr[data-group="{gid}"] a')
-    await page.locator("#members tbody tr").filter(has_text="pub").wait_for(timeout=5000)
+    await page.locator("#members tbody tr").filter(has_text="pub").wait_for(timeout=10000)
     assert await page.text_content("#step") == "7"
     await public.close()
 
@@ -170,29 +170,30 @@ async def _drive(ctx: BrowserContext, room: Room, join, tmp_path: Path) -> None:
 
     # the loss curve is drawn and grows as reports arrive
     line = page.locator(f"#loss-{host_id}")
-    await line.wait_for(state="attached", timeout=5000)
+    await line.wait_for(state="attached", timeout=10000)
     before = await line.get_attribute("points")
     await page.wait_for_function(
         "([id, old]) => { const l = document.getElementById('loss-' + id);"
         " return l && l.getAttribute('points') !== old && Number(l.dataset.count) > 5; }",
         arg=[host_id, before],
-        timeout=5000,
+        timeout=10000,
     )
     after = await line.get_attribute("points")
     assert after != before and len(after.split()) > len(before.split())
     await page.wait_for_function(
-        "() => document.getElementById('run-state').textContent === 'training'", timeout=3000
+        "() => document.getElementById('run-state').textContent === 'training'", timeout=10000
     )
     assert float(await page.text_content("#tokens")) == 1500
 
     # Accept bob by clicking; the decision reaches the host, which approves him
     accept = page.locator(f'.waiting-row[data-peer="{bob_id}"] button.accept')
-    await accept.wait_for(timeout=5000)
+    await accept.wait_for(timeout=10000)
     assert await page.locator(".waiting-row .name").all_text_contents() == ["bob"]
+    await page.screenshot(path=str(tmp_path / "dashboard-waiting.png"), full_page=True)
     await accept.click()
     await recv(bob, "approved")
     assert room.decisions == [{"type": "decision", "id": bob_id, "approve": True}]
-    await page.wait_for_selector(f'#members tr[data-peer="{bob_id}"]', timeout=5000)
+    await page.wait_for_selector(f'#members tr[data-peer="{bob_id}"]', timeout=10000)
     assert await page.locator(".waiting-row").count() == 0
 
     # everyone reports the same step; bob's weight hash differs: shown in red
@@ -209,7 +210,7 @@ async def _drive(ctx: BrowserContext, room: Room, join, tmp_path: Path) -> None:
         "(top) => document.getElementById('hash-summary').textContent"
         " === 'DIVERGED at step ' + top",
         arg=top,
-        timeout=5000,
+        timeout=10000,
     )
     row = '#members tr[data-peer="{}"]'
     assert "diverged" in await page.get_attribute(row.format(bob_id) + " td.hash", "class")
@@ -222,18 +223,18 @@ async def _drive(ctx: BrowserContext, room: Room, join, tmp_path: Path) -> None:
     assert red == "rgb(192, 21, 27)"
     shot = tmp_path / "dashboard.png"
     await page.screenshot(path=str(shot), full_page=True)
-    print("dashboard screenshot:", shot)
+    print("dashboard screenshots:", shot, tmp_path / "dashboard-waiting.png")
 
     # a page without the key: watches (as a member), never approves
     watcher = await ctx.new_page()
     watcher.on("pageerror", lambda e: errors.append(str(e)))
     await watcher.goto(f"{url}/?room={ROOM}&peer={carol_id}&poll=150")
-    await watcher.wait_for_selector(f'#members tr[data-peer="{host_id}"]', timeout=5000)
+    await watcher.wait_for_selector(f'#members tr[data-peer="{host_id}"]', timeout=10000)
     dan, dan_id = await join("dan")
     try:
         await watcher.wait_for_function(
             "() => /1 waiting/.test(document.getElementById('waiting').textContent)",
-            timeout=5000,
+            timeout=10000,
         )
         assert await watcher.locator("button.accept").count() == 0
         assert "dan" not in await watcher.text_content("#waiting")
@@ -251,14 +252,14 @@ async def _drive(ctx: BrowserContext, room: Room, join, tmp_path: Path) -> None:
         # a stranger with only the room code sees nothing of the room
         stranger = await ctx.new_page()
         await stranger.goto(f"{url}/?room={ROOM}&poll=150")
-        await stranger.wait_for_selector("#error:not([hidden])", timeout=5000)
+        await stranger.wait_for_selector("#error:not([hidden])", timeout=10000)
         assert await stranger.locator("#group").is_hidden()
         assert "bob" not in await stranger.content()
         # the host's page denies dan: the host peer refuses him and the server drops him
         await page.click(f'.waiting-row[data-peer="{dan_id}"] button.deny')
         await recv(dan, "denied")
         assert room.decisions[-1] == {"type": "decision", "id": dan_id, "approve": False}
-        await page.wait_for_function("() => !document.querySelector('.waiting-row')", timeout=5000)
+        await page.wait_for_function("() => !document.querySelector('.waiting-row')", timeout=10000)
     finally:
         await dan.close()
 
