@@ -1,0 +1,149 @@
+"""``daisyweb-peer``: one peer of a training group.
+
+    daisyweb-peer --server URL [--room CODE] [--name NAME] [--approve ask|auto]
+        [--start --width W --layers L --heads H --seq S --batch B --steps N --lr LR --seed X]
+        [--resume FILE.pt] [--save FILE.pt] [--save-every K] [--metrics FILE.jsonl]
+        [--join-timeout SECONDS] [--stun URL ...] [--ice-host ADDR ...]
+        [--wait-peers N]
+
+``--start`` makes this peer the leader; its model flags are the run's config. Without
+``--start`` the model flags are refused (the leader's config wins). ``--wait-peers N``
+(leader only, default 1) waits for N peers in all before step 0; later peers join at a
+step boundary. Exit codes: 0 done, 1 the run halted, 2 bad flags or files, 3 not
+admitted (timeout or denied), 130 interrupted.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import re
+import sys
+from collections.abc import Sequence
+from urllib.parse import urlsplit
+
+__all__ = ["build_parser", "parse_args", "main"]
+
+PROG = "daisyweb-peer"
+_ROOM_RE = re.compile(r"^[A-Za-z0-9_-]{4,64}$")  # the signaling server's rule
+_MODEL_FLAGS = ("width", "layers", "heads", "seq", "batch", "steps", "lr", "seed")
+DEFAULTS = {"width": 64, "layers": 2, "heads": 4, "seq": 64, "batch": 8, "steps": 200,
+            "lr": 3e-3, "seed": 0}
+
+
+class _Parser(argparse.ArgumentParser):
+    def error(self, message: str) -> None:  # one clear line, exit 2, never a traceback
+        sys.stderr.write(f"{PROG}: error: {message}\n")
+        raise SystemExit(2)
+
+
+def _positive_int(text: str) -> int:
+    try:
+        v = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}") from None
+    if v < 1:
+        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}")
+    return v
+
+
+def _non_negative_int(text: str) -> int:
+    try:
+        v = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected an integer >= 0, got {text!r}") from None
+    if v < 0:
+        raise argparse.ArgumentTypeError(f"expected an integer >= 0, got {text!r}")
+    return v
+
+
+def _positive_float(text: str) -> float:
+    try:
+        v = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a positive number, got {text!r}") from None
+    if not v > 0 or v == float("inf"):  # `not >` also refuses NaN
+        raise argparse.ArgumentTypeError(f"expected a positive number, got {text!r}")
+    return v
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = _Parser(prog=PROG, description="one peer of a daisyweb training group")
+    p.add_argument("--server", required=True, help="signaling server URL (http://HOST:PORT)")
+    p.add_argument("--room", default=None, help="private room code (4-64 of A-Z a-z 0-9 _ -)")
+    p.add_argument("--name", default=None, help="name shown on the dashboard")
+    p.add_argument("--approve", choices=("ask", "auto"), default="ask",
+                   help="host only: ask on the terminal, or admit everyone with the code")
+    p.add_argument("--start", action="store_true", help="lead: this peer's flags are the run")
+    p.add_argument("--width", type=_positive_int)
+    p.add_argument("--layers", type=_positive_int)
+    p.add_argument("--heads", type=_positive_int)
+    p.add_argument("--seq", type=_positive_int)
+    p.add_argument("--batch", type=_positive_int)
+    p.add_argument("--steps", type=_positive_int)
+    p.add_argument("--lr", type=_positive_float)
+    p.add_argument("--seed", type=_non_negative_int)
+    p.add_argument("--resume", default=None, metavar="FILE.pt", help="leader: resume a run")
+    p.add_argument("--save", default=None, metavar="FILE.pt", help="checkpoint file (atomic)")
+    p.add_argument("--save-every", type=_non_negative_int, default=0, metavar="K",
+                   help="also save every K committed steps (needs --save)")
+    p.add_argument("--metrics", default=None, metavar="FILE.jsonl")
+    p.add_argument("--join-timeout", type=_positive_float, default=60.0, metavar="SECONDS")
+    p.add_argument("--stun", action="append", default=[], metavar="URL")
+    p.add_argument("--ice-host", action="append", default=[], metavar="ADDR")
+    p.add_argument("--wait-peers", type=_positive_int, default=1, metavar="N",
+                   help="leader: peers in all (itself included) before step 0")
+    return p
+
+
+def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
+    """Parse and cross-check the flags; exits 2 with one line on anything wrong."""
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    url = urlsplit(args.server)
+    if url.scheme not in ("http", "https", "ws", "wss") or not url.hostname:
+        parser.error(f"--server must be an http(s):// or ws(s):// URL, got {args.server!r}")
+    try:
+        url.port  # noqa: B018 - raises ValueError on a bad port
+    except ValueError:
+        parser.error(f"--server has a bad port: {args.server!r}")
+    if args.room is not None and not _ROOM_RE.match(args.room):
+        parser.error("--room must be 4-64 characters of A-Z a-z 0-9 _ -")
+    given = [f for f in _MODEL_FLAGS if getattr(args, f) is not None]
+    if not args.start:
+        if given:
+            parser.error(f"--{given[0]} needs --start (followers take the leader's config)")
+        if args.resume:
+            parser.error("--resume needs --start (the leader broadcasts the checkpoint)")
+        if args.wait_peers != 1:
+            parser.error("--wait-peers needs --start")
+    if args.save_every and not args.save:
+        parser.error("--save-every needs --save")
+    if args.start and not args.resume:
+        for f, v in DEFAULTS.items():
+            if getattr(args, f) is None:
+                setattr(args, f, v)
+        if args.width % args.heads:
+            parser.error(f"--width {args.width} is not divisible by --heads {args.heads}")
+        if args.lr >= 10.0:
+            parser.error(f"--lr must be below 10, got {args.lr}")
+    return args
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = parse_args(argv)
+    # Imported late so that flag errors are instant and never pay for numpy/aiortc.
+    from daisyweb import run
+
+    try:
+        return asyncio.run(run.run_peer(run.options_from_args(args)))
+    except run.PeerError as exc:
+        sys.stderr.write(f"{PROG}: {exc}\n")
+        return exc.code
+    except KeyboardInterrupt:
+        sys.stderr.write(f"{PROG}: interrupted\n")
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,740 @@
+"""The asyncio driver of one peer: Mesh events -> :class:`sync.StepMachine` -> actions.
+
+Everything the protocol decides lives in ``daisyweb.sync``; this module only moves bytes
+and time: it connects the mesh, hands the start config and snapshot over, runs gradient
+computations in a worker thread (so heartbeats and messages keep flowing during a step),
+sends each peer's messages from its own ordered queue (a slow peer never blocks the
+step loop), fetches text from the server's ``/data`` in the background (never waiting for
+it: the built-in corpus is there from the start), and writes progress, metrics,
+checkpoints and dashboard status.
+
+Start handshake: the leader (``--start``) sends ``Config`` then ``Snapshot`` (checkpoint
+bytes of the current boundary) to each peer that connects; a follower validates both --
+the config by the wire decoder and ``RunConfig``, the snapshot with the checkpoint rules
+(model, tokenizer) and against the snapshot's weight hash -- before its state machine
+starts. Mid-run joins use the same path at a step boundary.
+
+Test-only switches (environment only, read once at start; nothing on the wire can set
+them): ``DAISYWEB_TEST_BREAK_KERNEL=1`` (an int8 GEMM that is off by one),
+``DAISYWEB_TEST_DROP_GRADIENT=S`` (drop this peer's step-S gradient to one recipient),
+``DAISYWEB_TEST_CORRUPT_GRADIENT=S:nan|short`` (corrupt the step-S gradient on the wire),
+``DAISYWEB_TEST_FORK_AT=S`` (perturb one weight after step S is applied),
+``DAISYWEB_TEST_DUMP_GRADS=DIR`` (write each local gradient to DIR for the replay oracle),
+``DAISYWEB_TEST_STEP_DELAY=SECONDS`` (sleep before each gradient, to widen the window for
+kill tests).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import importlib
+import inspect
+import math
+import os
+import sys
+import time
+from collections import deque
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+from urllib.parse import urlsplit, urlunsplit
+
+import numpy as np
+
+from daisyweb import sync, wire
+
+__all__ = [
+    "PeerError",
+    "PeerOptions",
+    "TestHooks",
+    "options_from_args",
+    "run_peer",
+    "data_url",
+    "break_kernel_for_tests",
+]
+
+TICK_S = 0.2
+BUFFER_BEFORE_START = 512  # messages kept while a follower waits for its snapshot
+DATA_EVERY_S = 30.0
+DATA_MAX_TOKENS = 4_000_000
+
+
+class PeerError(Exception):
+    """A clear one-line failure with the process exit code to use."""
+
+    def __init__(self, code: int, message: str) -> None:
+        super().__init__(message)
+        self.code = code
+
+
+@dataclass
+class PeerOptions:
+    server: str
+    room: str | None = None
+    name: str | None = None
+    approve: str = "ask"
+    start: bool = False
+    model: dict[str, int] | None = None  # width/layers/heads/seq given on the command line
+    batch: int | None = None
+    steps: int | None = None
+    lr: float | None = None
+    seed: int | None = None
+    resume: str | None = None
+    save: str | None = None
+    save_every: int = 0
+    metrics: str | None = None
+    join_timeout: float = 60.0
+    stun: list[str] = field(default_factory=list)
+    ice_hosts: list[str] = field(default_factory=list)
+    wait_peers: int = 1
+    heartbeat_interval: float = 1.0
+    heartbeat_timeout: float = 5.0
+    repair_after: float = 2.0
+    progress: bool = True
+
+
+def options_from_args(args: argparse.Namespace) -> PeerOptions:
+    model = None
+    if args.start:
+        model = {k: getattr(args, k) for k in ("width", "layers", "heads", "seq")
+                 if getattr(args, k) is not None}
+    return PeerOptions(
+        server=args.server, room=args.room, name=args.name, approve=args.approve,
+        start=args.start, model=model, batch=args.batch, steps=args.steps, lr=args.lr,
+        seed=args.seed, resume=args.resume, save=args.save, save_every=args.save_every,
+        metrics=args.metrics, join_timeout=args.join_timeout, stun=list(args.stun),
+        ice_hosts=list(args.ice_host), wait_peers=args.wait_peers,
+    )
+
+
+@dataclass(frozen=True)
+class TestHooks:
+    """Test-only fault switches, from the environment only (see module docstring)."""
+
+    break_kernel: bool = False
+    drop_gradient: int | None = None
+    corrupt_gradient: tuple[int, str] | None = None
+    fork_at: int | None = None
+    dump_grads: str | None = None
+    step_delay: float = 0.0
+
+    @classmethod
+    def from_env(cls, env: dict[str, str] | None = None) -> TestHooks:
+        env = dict(os.environ if env is None else env)
+
+        def step_of(name: str) -> int | None:
+            v = env.get(name)
+            if not v:
+                return None
+            try:
+                return int(v)
+            except ValueError:
+                raise PeerError(2, f"{name} must be a step number, got {v!r}") from None
+
+        corrupt = None
+        if env.get("DAISYWEB_TEST_CORRUPT_GRADIENT"):
+            s, _, kind = env["DAISYWEB_TEST_CORRUPT_GRADIENT"].partition(":")
+            if kind not in ("nan", "short") or not s.isdigit():
+                raise PeerError(2, "DAISYWEB_TEST_CORRUPT_GRADIENT must be STEP:nan|short")
+            corrupt = (int(s), kind)
+        return cls(
+            break_kernel=env.get("DAISYWEB_TEST_BREAK_KERNEL") == "1",
+            drop_gradient=step_of("DAISYWEB_TEST_DROP_GRADIENT"),
+            corrupt_gradient=corrupt,
+            fork_at=step_of("DAISYWEB_TEST_FORK_AT"),
+            dump_grads=env.get("DAISYWEB_TEST_DUMP_GRADS") or None,
+            step_delay=float(env.get("DAISYWEB_TEST_STEP_DELAY") or 0.0),
+        )
+
+
+def break_kernel_for_tests() -> None:
+    """Install an int8 GEMM that is wrong in one cell, as the live backend (tests only).
+
+    The mirror backend is the reference the audit trusts, so a broken mirror is what a
+    miscompiled or faulty machine looks like from the inside: only the cross-machine
+    probe can tell.
+    """
+    # By module path: the package re-exports functions named like its submodules.
+    backends = importlib.import_module("kernels.backends")
+    dispatch = importlib.import_module("kernels.dispatch")
+
+    class _OffByOne(backends.MirrorBackend):
+        def gemm(self, a: np.ndarray, b: np.ndarray) -> np.ndarray:
+            out = super().gemm(a, b)
+            out.flat[0] += 1
+            return out
+
+    dispatch._instances["mirror"] = _OffByOne()
+    dispatch._status["mirror"] = True
+    dispatch.use_backend("mirror")
+
+
+def data_url(server: str) -> str:
+    """The server's ``/data`` URL (http or https) from the signaling URL the user gave."""
+    u = urlsplit(server)
+    scheme = {"ws": "http", "wss": "https"}.get(u.scheme, u.scheme)
+    return urlunsplit((scheme, u.netloc, "/data", "", ""))
+
+
+def _probe() -> str:
+    import kernels
+
+    return kernels.probe_hash()
+
+
+class _Replica:
+    """TrainState as a :class:`sync.Replica`, with rollback and the fork test hook."""
+
+    def __init__(self, state: Any, fork_at: int | None) -> None:
+        self.state = state
+        self.fork_at = fork_at
+
+    @property
+    def step(self) -> int:
+        return int(self.state.step)
+
+    @property
+    def size(self) -> int:
+        return int(self.state.size)
+
+    def apply(self, average: np.ndarray) -> None:
+        self.state.apply(average)
+        if self.fork_at is not None and self.state.step == self.fork_at:
+            self.state.params[0] += np.float32(1e-3)  # test hook: a silent divergence
+
+    def weight_hash(self) -> str:
+        return str(self.state.weight_hash())
+
+    def backup(self) -> Any:
+        return self.state.params.copy(), self.state.optimizer.state_dict()
+
+    def restore(self, token: Any) -> None:
+        params, opt = token
+        # New arrays, not in place: a gradient thread may still read the old ones.
+        self.state.params = params.copy()
+        self.state.optimizer.load_state_dict(opt)
+
+
+def _log(msg: str) -> None:
+    print(f"daisyweb-peer: {msg}", file=sys.stderr, flush=True)
+
+
+async def _maybe_await(x: Any) -> Any:
+    if inspect.isawaitable(x):
+        return await x
+    return x
+
+
+def _tokenizer_info() -> tuple[Any, Any]:
+    from daisyweb.checkpoint import TokenizerInfo
+    from daisyweb.data import default_tokenizer
+
+    tok = default_tokenizer()
+    return tok, TokenizerInfo(tok.vocab_size, tok.file_hash)
+
+
+def _leader_state(opts: PeerOptions, tokinfo: Any) -> Any:
+    """The leader's starting TrainState: fresh from flags or resumed from --resume."""
+    from daisyweb.checkpoint import CheckpointError, load_checkpoint
+    from daisyweb.model import ModelConfig
+    from daisyweb.train import RunConfig, TrainState
+
+    if opts.resume:
+        if not Path(opts.resume).is_file():
+            raise PeerError(2, f"--resume: no such file {opts.resume}")
+        try:
+            ckpt = load_checkpoint(opts.resume, expect_tokenizer=tokinfo)
+            run = RunConfig.from_checkpoint(ckpt)
+            state = TrainState.from_checkpoint(ckpt, run)
+        except (CheckpointError, ValueError, OSError) as exc:
+            raise PeerError(2, f"--resume {opts.resume}: {exc}") from None
+        given = dict(opts.model or {})
+        for k in ("batch", "steps", "lr", "seed"):
+            if getattr(opts, k) is not None:
+                given[k] = getattr(opts, k)
+        have = {**ckpt.model.to_dict(), **run.to_dict()}
+        conflicts = [f"--{k} {v} (file: {have[k]})" for k, v in given.items()
+                     if k in have and have[k] != v]
+        if conflicts:
+            _log("the checkpoint's config wins over " + ", ".join(conflicts))
+        if state.step >= run.steps:
+            raise PeerError(2, f"--resume {opts.resume}: already at step {state.step} "
+                               f"of {run.steps}")
+        return state
+    m = opts.model or {}
+    try:
+        model = ModelConfig(vocab=tokinfo.vocab_size, **m)
+        run = RunConfig(model=model, batch=opts.batch or 8, steps=opts.steps or 200,
+                        lr=opts.lr or 3e-3, seed=opts.seed or 0, data="server")
+    except (TypeError, ValueError) as exc:
+        raise PeerError(2, f"bad run config: {exc}") from None
+    return TrainState.fresh(run)
+
+
+async def run_peer(opts: PeerOptions) -> int:
+    """Run one peer to the end. Returns the exit code; raises PeerError for setup errors."""
+    hooks = TestHooks.from_env()
+    if opts.save:
+        parent = Path(opts.save).resolve().parent
+        if not parent.is_dir():
+            raise PeerError(2, f"--save: directory {parent} does not exist")
+    if hooks.break_kernel:
+        break_kernel_for_tests()
+    tok, tokinfo = _tokenizer_info()
+    state = _leader_state(opts, tokinfo) if opts.start else None
+    driver = _Driver(opts, hooks, tok, tokinfo, state)
+    return await driver.main()
+
+
+class _Driver:
+    def __init__(self, opts: PeerOptions, hooks: TestHooks, tok: Any, tokinfo: Any,
+                 state: Any) -> None:
+        from daisyweb.train import MetricsWriter
+
+        self.opts = opts
+        self.hooks = hooks
+        self.tok = tok
+        self.tokinfo = tokinfo
+        self.state = state
+        self.replica: _Replica | None = None
+        self.machine: sync.StepMachine | None = None
+        self.mesh: Any = None
+        self.metrics = MetricsWriter(opts.metrics)
+        self.queue: asyncio.Queue[tuple[Any, ...]] = asyncio.Queue()
+        self.outboxes: dict[str, asyncio.Queue[wire.Message | None]] = {}
+        self.senders: dict[str, asyncio.Task[None]] = {}
+        self.connected: list[str] = []
+        self.tasks: list[asyncio.Task[Any]] = []
+        self.sampler: Any = None
+        self.pending_tokens: deque[np.ndarray] = deque()
+        self.fetched_tokens = 0
+        self.progress: Any = None
+        self.result: tuple[int, str] | None = None
+        self.dropped_once = False
+        self.step_t0: dict[int, float] = {}
+        self.compute_s: dict[int, float] = {}
+        self.grad_ready: dict[int, float] = {}
+        self.last_saved = -1
+
+    # ------------------------------------------------------------------ setup
+    def _mesh(self) -> Any:
+        from daisyweb.mesh import Mesh
+
+        return Mesh(
+            self.opts.server, room=self.opts.room, name=self.opts.name,
+            approve=self._approve_callback(), ice_hosts=self.opts.ice_hosts or None,
+            stun=self.opts.stun or None, join_timeout=self.opts.join_timeout,
+            heartbeat_interval=self.opts.heartbeat_interval,
+            heartbeat_timeout=self.opts.heartbeat_timeout,
+        )
+
+    def _approve_callback(self) -> Any:
+        if self.opts.approve == "auto":
+            return None
+
+        async def ask(*who: Any) -> bool:
+            label = " ".join(str(w) for w in who if w)
+            prompt = f"daisyweb-peer: admit {label or 'a waiting peer'}? [y/N] "
+            if not sys.stdin or not sys.stdin.isatty():
+                _log(f"refusing {label}: --approve ask needs a terminal")
+                return False
+            answer = await asyncio.get_running_loop().run_in_executor(None, input, prompt)
+            return answer.strip().lower() in ("y", "yes")
+
+        return ask
+
+    async def main(self) -> int:
+        from daisyweb.mesh import JoinDenied, JoinTimeout
+
+        self.mesh = self._mesh()
+        if self.hooks.drop_gradient is not None:
+            self.mesh.fault_drop = self._fault_drop
+        try:
+            try:
+                await self.mesh.start()
+            except JoinTimeout:
+                raise PeerError(3, f"not admitted within {self.opts.join_timeout:g} s "
+                                   "(is the host there and approving?)") from None
+            except JoinDenied:
+                raise PeerError(3, "the host denied this peer") from None
+            except OSError as exc:
+                raise PeerError(3, f"cannot reach the signaling server: {exc}") from None
+            _log(f"joined as {self.mesh.self_id}"
+                 + (f" in room {self.opts.room}" if self.opts.room else ""))
+            self.tasks.append(asyncio.create_task(self._pump_mesh()))
+            self.tasks.append(asyncio.create_task(self._ticker()))
+            if self.opts.start:
+                await self._start_leader()
+            else:
+                await self._start_follower()
+            await self._loop()
+            return await self._finish()
+        finally:
+            for t in self.tasks + list(self.senders.values()):
+                t.cancel()
+            for t in self.tasks + list(self.senders.values()):
+                with contextlib.suppress(BaseException):
+                    await t
+            with contextlib.suppress(Exception):
+                await _maybe_await(self.mesh.close())
+            self.metrics.close()
+
+    async def _pump_mesh(self) -> None:
+        while True:
+            ev = await self.mesh.next_event()
+            await self.queue.put(("mesh", ev))
+
+    async def _ticker(self) -> None:
+        while True:
+            await asyncio.sleep(TICK_S)
+            await self.queue.put(("tick",))
+
+    async def _start_leader(self) -> None:
+        from daisyweb.data import BatchSampler, builtin_tokens
+
+        run = self.state.run
+        self.replica = _Replica(self.state, self.hooks.fork_at)
+        self.sampler = BatchSampler(builtin_tokens(), batch=run.batch, seq=run.model.seq,
+                                    seed=run.seed, peer=self.mesh.self_id)
+        self._start_data(run)
+        deadline = time.monotonic() + self.opts.join_timeout
+        ups: list[str] = []
+        held: list[tuple[Any, ...]] = []
+        while len(ups) + 1 < self.opts.wait_peers:
+            left = deadline - time.monotonic()
+            if left <= 0:
+                raise PeerError(3, f"only {len(ups) + 1} of {self.opts.wait_peers} peers "
+                                   f"joined within {self.opts.join_timeout:g} s")
+            try:
+                item = await asyncio.wait_for(self.queue.get(), left)
+            except TimeoutError:
+                continue
+            if item[0] == "mesh":
+                kind = type(item[1]).__name__
+                if kind == "PeerUp":
+                    self._peer_connected(item[1].peer)
+                    ups.append(item[1].peer)
+                    continue
+                if kind == "PeerDown" and item[1].peer in ups:
+                    ups.remove(item[1].peer)
+            held.append(item)
+        self.machine = sync.StepMachine(
+            self.mesh.self_id, self.replica, run.steps, _probe, leader=self.mesh.self_id,
+            repair_after=self.opts.repair_after, join_timeout=self.opts.join_timeout)
+        _log(f"leading: {self.state.size:,} parameters, {run.steps} steps, "
+             f"from step {self.state.step}")
+        self._begin_progress()
+        now = time.monotonic()
+        for p in ups:
+            await self._do(self.machine.peer_up(p, now))
+        await self._do(self.machine.start(now))
+        for item in held:
+            await self._handle(item)
+
+    async def _start_follower(self) -> None:
+        """Wait for Config + Snapshot from a leader; buffer everything else meanwhile."""
+        from daisyweb.checkpoint import CheckpointError, checkpoint_from_bytes
+        from daisyweb.data import BatchSampler, builtin_tokens
+        from daisyweb.train import RunConfig, TrainState
+
+        deadline = time.monotonic() + self.opts.join_timeout
+        held: deque[tuple[Any, ...]] = deque(maxlen=BUFFER_BEFORE_START)
+        configs: dict[str, wire.Config] = {}
+        while True:
+            left = deadline - time.monotonic()
+            if left <= 0:
+                raise PeerError(3, f"no leader sent a run within {self.opts.join_timeout:g} s "
+                                   "(start one peer with --start)")
+            try:
+                item = await asyncio.wait_for(self.queue.get(), left)
+            except TimeoutError:
+                continue
+            if item[0] != "mesh":
+                continue
+            ev = item[1]
+            kind = type(ev).__name__
+            if kind == "PeerUp":
+                self._peer_connected(ev.peer)
+                continue
+            if kind == "PeerDown":
+                self._peer_gone(ev.peer)
+                configs.pop(ev.peer, None)
+                continue
+            if kind != "Received":
+                continue
+            msg = ev.message
+            if isinstance(msg, wire.Config):
+                configs[ev.peer] = msg
+                continue
+            if not isinstance(msg, wire.Snapshot) or ev.peer not in configs:
+                held.append(item)
+                continue
+            try:
+                run = RunConfig.from_wire(configs[ev.peer])
+                ckpt = checkpoint_from_bytes(msg.payload, expect_model=run.model,
+                                             expect_tokenizer=self.tokinfo)
+                state = TrainState.from_checkpoint(ckpt, run)
+            except (CheckpointError, ValueError, wire.WireError) as exc:
+                raise PeerError(1, f"refused the snapshot from {ev.peer}: {exc}") from None
+            if state.step != msg.step or state.weight_hash() != msg.weight_hash:
+                raise PeerError(1, f"refused the snapshot from {ev.peer}: its weight hash or "
+                                   "step does not match what it announced")
+            leader = ev.peer
+            break
+        self.state = state
+        self.replica = _Replica(state, self.hooks.fork_at)
+        self.sampler = BatchSampler(builtin_tokens(), batch=run.batch, seq=run.model.seq,
+                                    seed=run.seed, peer=self.mesh.self_id)
+        self._start_data(run)
+        self.machine = sync.StepMachine(
+            self.mesh.self_id, self.replica, run.steps, _probe, leader=leader,
+            repair_after=self.opts.repair_after, join_timeout=self.opts.join_timeout)
+        _log(f"following {leader}: {state.size:,} parameters, from step {state.step} "
+             f"of {run.steps} (snapshot {msg.weight_hash[:16]} verified)")
+        self._begin_progress()
+        await self._do(self.machine.start(time.monotonic()))
+        for item in held:
+            await self._handle(item)
+
+    def _begin_progress(self) -> None:
+        from daisyweb.train import Progress
+
+        self.progress = Progress(self.state.run.steps,
+                                 stream=sys.stderr if self.opts.progress else None)
+        self.progress.start(self.state.step)
+
+    # ------------------------------------------------------------------ data
+    def _start_data(self, run: Any) -> None:
+        if run.data != "builtin":
+            self.tasks.append(asyncio.create_task(self._fetch_data()))
+
+    async def _fetch_data(self) -> None:
+        """Fetch text slices from /data now and then; failures just keep the corpus."""
+        import aiohttp
+
+        url = data_url(self.opts.server)
+        timeout = aiohttp.ClientTimeout(total=20)
+        async with aiohttp.ClientSession(timeout=timeout) as session:
+            while self.fetched_tokens < DATA_MAX_TOKENS:
+                try:
+                    async with session.get(url) as resp:
+                        text = await resp.text() if resp.status == 200 else ""
+                        source = resp.headers.get("X-Daisyweb-Source", "?")
+                except (aiohttp.ClientError, TimeoutError, UnicodeDecodeError) as exc:
+                    _log(f"/data unavailable ({type(exc).__name__}); built-in corpus continues")
+                    text, source = "", "-"
+                if text:
+                    loop = asyncio.get_running_loop()
+                    ids = await loop.run_in_executor(None, self.tok.encode, text)
+                    arr = np.asarray(ids, dtype=np.int64)
+                    if arr.size:
+                        self.pending_tokens.append(arr)
+                        self.fetched_tokens += int(arr.size)
+                        _log(f"/data: {arr.size:,} tokens ({source})")
+                await asyncio.sleep(DATA_EVERY_S)
+
+    def _batch(self, step: int) -> np.ndarray:
+        # Extend only here, between gradients, so the sampler is never used from two
+        # threads at once.
+        while self.pending_tokens:
+            self.sampler.extend(self.pending_tokens.popleft())
+        return self.sampler.sample(step + 1)
+
+    # ------------------------------------------------------------------ sending
+    def _peer_connected(self, peer: str) -> None:
+        if peer not in self.connected:
+            self.connected.append(peer)
+        if peer not in self.outboxes:
+            self.outboxes[peer] = asyncio.Queue()
+            self.senders[peer] = asyncio.create_task(self._sender(peer))
+
+    def _peer_gone(self, peer: str) -> None:
+        if peer in self.connected:
+            self.connected.remove(peer)
+        box = self.outboxes.pop(peer, None)
+        task = self.senders.pop(peer, None)
+        if box is not None:
+            box.put_nowait(None)
+        if task is not None:
+            task.cancel()
+
+    async def _sender(self, peer: str) -> None:
+        box = self.outboxes[peer]
+        while True:
+            msg = await box.get()
+            if msg is None:
+                return
+            try:
+                await self.mesh.send(peer, msg)
+            except Exception as exc:  # a dead channel: the heartbeat will report it
+                _log(f"send to {peer} failed: {type(exc).__name__}: {exc}")
+
+    def _fault_drop(self, peer: str, msg: Any) -> bool:
+        """Test hook: drop this peer's gradient of one step to exactly one recipient."""
+        if (isinstance(msg, wire.Gradient) and not self.dropped_once
+                and msg.step == self.hooks.drop_gradient
+                and self.machine is not None and msg.sender == self.machine.self_id
+                and peer != self.machine.leader):
+            self.dropped_once = True
+            _log(f"test: dropped gradient of step {msg.step} to {peer}")
+            return True
+        return False
+
+    def _corrupt(self, msg: wire.Message) -> wire.Message:
+        c = self.hooks.corrupt_gradient
+        if c is None or not isinstance(msg, wire.Gradient) or msg.step != c[0]:
+            return msg
+        if self.machine is None or msg.sender != self.machine.self_id:
+            return msg
+        data = bytearray(msg.payload)
+        if c[1] == "nan":
+            data[0:4] = np.float32(np.nan).tobytes()
+        else:
+            del data[-4:]
+        return wire.Gradient(msg.step, msg.sender, bytes(data))
+
+    def _send(self, to: tuple[str, ...] | None, msg: wire.Message) -> None:
+        msg = self._corrupt(msg)
+        for p in self.connected if to is None else to:
+            box = self.outboxes.get(p)
+            if box is not None:
+                box.put_nowait(msg)
+
+    # ------------------------------------------------------------------ loop
+    async def _loop(self) -> None:
+        while self.result is None:
+            await self._handle(await self.queue.get())
+
+    async def _handle(self, item: tuple[Any, ...]) -> None:
+        m = self.machine
+        if m is None or self.result is not None:
+            return
+        now = time.monotonic()
+        kind = item[0]
+        if kind == "tick":
+            await self._do(m.tick(now))
+        elif kind == "grad":
+            _, step, loss, grad, secs = item
+            self.compute_s[step] = secs
+            self.grad_ready[step] = now
+            if self.hooks.dump_grads:
+                path = Path(self.hooks.dump_grads) / f"{m.self_id}-{step}.npy"
+                np.save(path, grad)
+            await self._do(m.local_gradient(step, loss, grad, now))
+        elif kind == "mesh":
+            ev = item[1]
+            name = type(ev).__name__
+            if name == "Received":
+                if isinstance(ev.message, (wire.Config, wire.Snapshot, wire.Heartbeat,
+                                           wire.Hello)):
+                    return  # start handshake messages after the start: nothing to do
+                await self._do(m.message(ev.peer, ev.message, now))
+            elif name == "PeerUp":
+                self._peer_connected(ev.peer)
+                await self._do(m.peer_up(ev.peer, now))
+            elif name == "PeerDown":
+                self._peer_gone(ev.peer)
+                _log(f"peer {ev.peer} down ({getattr(ev, 'reason', '?')})")
+                was_leader = m.is_leader
+                await self._do(m.peer_down(ev.peer, now))
+                if m.is_leader and not was_leader:
+                    _log(f"leading now from step {m.boundary} (the leader was lost)")
+            elif name == "BadMessage":
+                _log(f"refused a message from {ev.peer}: {ev.error}")
+
+    async def _do(self, actions: list[sync.Action]) -> None:
+        for a in actions:
+            if isinstance(a, sync.Send):
+                self._send(a.to, a.message)
+            elif isinstance(a, sync.Compute):
+                self.step_t0.setdefault(a.step, time.monotonic())
+                self.tasks.append(asyncio.create_task(self._compute(a.step)))
+            elif isinstance(a, sync.Commit):
+                await self._on_commit(a)
+            elif isinstance(a, sync.SendSnapshot):
+                self._send_snapshot(a.peer, a.step)
+            elif isinstance(a, sync.Excluded):
+                _log(f"excluded {a.peer}: {a.reason}")
+            elif isinstance(a, sync.Finish):
+                self.result = (0, "done")
+            elif isinstance(a, sync.Stopped):
+                _log(f"halted at step {a.step}: {a.reason}")
+                self.result = (1, a.reason)
+        self.tasks = [t for t in self.tasks if not t.done()]
+
+    async def _compute(self, step: int) -> None:
+        if self.hooks.step_delay:
+            await asyncio.sleep(self.hooks.step_delay)
+        loop = asyncio.get_running_loop()
+        t0 = time.perf_counter()
+        batch = self._batch(step)
+        state = self.state
+        loss, grad = await loop.run_in_executor(None, state.gradient, batch)
+        await self.queue.put(("grad", step, loss, grad, time.perf_counter() - t0))
+
+    def _send_snapshot(self, peer: str, step: int) -> None:
+        from daisyweb.checkpoint import checkpoint_to_bytes
+
+        if self.state.step != step:  # cannot happen: the machine asks at its boundary
+            _log(f"not sending a snapshot of step {step} from step {self.state.step}")
+            return
+        payload = checkpoint_to_bytes(self.state.checkpoint(self.tokinfo))
+        self._send((peer,), self.state.run.to_wire())
+        self._send((peer,), wire.Snapshot(step, self.state.weight_hash(), payload))
+        _log(f"sent snapshot of step {step} ({len(payload):,} bytes) to {peer}")
+
+    async def _on_commit(self, c: sync.Commit) -> None:
+        from daisyweb.checkpoint import save_checkpoint
+
+        now = time.monotonic()
+        run = self.state.run
+        tokens = run.batch * run.model.seq * len(c.roster)
+        t0 = self.step_t0.pop(c.step, now)
+        ready = self.grad_ready.pop(c.step, now)
+        compute_s = self.compute_s.pop(c.step, 0.0)
+        loss = c.loss if c.loss is not None else math.nan
+        tokens_per_s = self.progress.update(c.step + 1, loss, tokens)
+        record = {
+            "step": c.step + 1, "loss": loss, "weight_hash": c.weight_hash,
+            "probe_hash": c.probe_hash, "roster": list(c.roster),
+            "tokens_per_s": tokens_per_s, "comm_s": max(0.0, now - ready),
+            "compute_s": compute_s, "wall_s": max(0.0, now - t0),
+        }
+        if c.rollback:
+            record["rollback"] = True
+        self.metrics.write(record)
+        every = self.opts.save_every
+        if self.opts.save and every and (c.step + 1) % every == 0:
+            save_checkpoint(self.opts.save, self.state.checkpoint(self.tokinfo))
+            self.last_saved = c.step + 1
+        with contextlib.suppress(Exception):
+            await self.mesh.report_status(
+                step=c.step + 1, loss=float(loss) if math.isfinite(loss) else 0.0,
+                hash=c.weight_hash[:16], peers=len(c.roster),
+                tokens_per_s=float(tokens_per_s), probe=c.probe_hash[:16], state="training")
+
+    async def _finish(self) -> int:
+        from daisyweb.checkpoint import save_checkpoint
+
+        assert self.result is not None
+        code, reason = self.result
+        # The replica is always a committed boundary (a refused step touches nothing).
+        saved = None
+        if self.opts.save and self.state is not None:
+            save_checkpoint(self.opts.save, self.state.checkpoint(self.tokinfo))
+            saved = self.opts.save
+        end: dict[str, Any] = {"end": reason, "step": self.state.step,
+                               "weight_hash": self.state.weight_hash()}
+        self.metrics.write(end)
+        with contextlib.suppress(Exception):
+            await self.mesh.report_status(
+                step=self.state.step, hash=end["weight_hash"][:16],
+                state="done" if code == 0 else "halted")
+        if code == 0:
+            _log(f"done at step {self.state.step}, weight hash {end['weight_hash'][:16]}"
+                 + (f", saved {saved}" if saved else ""))
+        elif saved:
+            _log(f"checkpoint of step {self.state.step} saved to {saved}")
+        return code

@@ -1,0 +1,109 @@
+"""daisyweb-peer flags, test switches and helpers (no network)."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import pytest
+
+from daisyweb import run
+from daisyweb.cli import peer
+
+S = ["--server", "http://127.0.0.1:9"]
+
+
+@pytest.mark.parametrize(
+    ("argv", "needle"),
+    [
+        ([], "--server"),
+        (["--server", "ftp://x"], "http"),
+        (["--server", "127.0.0.1:8787"], "http"),
+        (["--server", "http://h:99999"], "bad port"),
+        ([*S, "--room", "ab"], "--room"),
+        ([*S, "--room", "bad code!"], "--room"),
+        ([*S, "--approve", "maybe"], "invalid choice"),
+        ([*S, "--width", "64"], "needs --start"),
+        ([*S, "--resume", "x.pt"], "needs --start"),
+        ([*S, "--start", "--width", "0"], "positive integer"),
+        ([*S, "--start", "--width", "abc"], "positive integer"),
+        ([*S, "--start", "--lr", "nan"], "positive number"),
+        ([*S, "--start", "--lr", "-1"], "positive number"),
+        ([*S, "--start", "--lr", "50"], "below 10"),
+        ([*S, "--start", "--width", "30", "--heads", "4"], "not divisible"),
+        ([*S, "--start", "--seed", "-2"], ">= 0"),
+        ([*S, "--save-every", "5"], "needs --save"),
+        ([*S, "--join-timeout", "0"], "positive number"),
+        ([*S, "--wait-peers", "3"], "needs --start"),
+        ([*S, "--bogus"], "unrecognized"),
+    ],
+)
+def test_bad_flags_one_line_exit_2(
+    argv: list[str], needle: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    with pytest.raises(SystemExit) as exc:
+        peer.parse_args(argv)
+    assert exc.value.code == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and err.startswith("daisyweb-peer: error:")
+    assert needle in err
+
+
+def test_good_flags() -> None:
+    a = peer.parse_args([*S, "--start", "--width", "16", "--heads", "2", "--stun",
+                         "stun:a", "--stun", "stun:b", "--ice-host", "127.0.0.1"])
+    assert (a.width, a.heads, a.layers) == (16, 2, peer.DEFAULTS["layers"])
+    assert a.stun == ["stun:a", "stun:b"] and a.ice_host == ["127.0.0.1"]
+    opts = run.options_from_args(a)
+    assert opts.model == {"width": 16, "layers": 2, "heads": 2, "seq": 64}
+    f = peer.parse_args([*S, "--room", "abcd", "--name", "x"])
+    assert not f.start and f.width is None and run.options_from_args(f).model is None
+
+
+def test_bad_flag_from_the_command_line_has_no_traceback() -> None:
+    p = subprocess.run([sys.executable, "-m", "daisyweb.cli.peer", *S, "--steps", "x"],
+                       capture_output=True, text=True, timeout=60)
+    assert p.returncode == 2
+    assert p.stderr.strip().count("\n") == 0 and "Traceback" not in p.stderr
+
+
+def test_test_hooks_come_from_the_environment_only() -> None:
+    assert run.TestHooks.from_env({}) == run.TestHooks()
+    h = run.TestHooks.from_env({
+        "DAISYWEB_TEST_BREAK_KERNEL": "1", "DAISYWEB_TEST_DROP_GRADIENT": "3",
+        "DAISYWEB_TEST_CORRUPT_GRADIENT": "2:nan", "DAISYWEB_TEST_FORK_AT": "4",
+    })
+    assert h.break_kernel and h.drop_gradient == 3
+    assert h.corrupt_gradient == (2, "nan") and h.fork_at == 4
+    assert not run.TestHooks.from_env({"DAISYWEB_TEST_BREAK_KERNEL": "0"}).break_kernel
+    with pytest.raises(run.PeerError):
+        run.TestHooks.from_env({"DAISYWEB_TEST_CORRUPT_GRADIENT": "2:zero"})
+    with pytest.raises(run.PeerError):
+        run.TestHooks.from_env({"DAISYWEB_TEST_FORK_AT": "soon"})
+
+
+def test_broken_kernel_switch_changes_the_probe() -> None:
+    # In a child process: the switch replaces the live backend for the whole process.
+    code = (
+        "import kernels\n"
+        "from daisyweb.run import break_kernel_for_tests\n"
+        "good = kernels.probe_hash()\n"
+        "break_kernel_for_tests()\n"
+        "print(good != kernels.probe_hash(), kernels.active_backend())\n"
+    )
+    p = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                       timeout=60)
+    assert p.returncode == 0, p.stderr
+    assert p.stdout.split() == ["True", "mirror"]
+
+
+@pytest.mark.parametrize(
+    ("server", "url"),
+    [
+        ("http://127.0.0.1:8787", "http://127.0.0.1:8787/data"),
+        ("ws://127.0.0.1:8787/ws", "http://127.0.0.1:8787/data"),
+        ("wss://example.invalid/ws?x=1", "https://example.invalid/data"),
+    ],
+)
+def test_data_url(server: str, url: str) -> None:
+    assert run.data_url(server) == url
