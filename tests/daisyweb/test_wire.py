@@ -478,3 +478,23 @@ def test_fuzz_reassembler(ops: list) -> None:
         assert r.in_flight <= _MAX_IN_FLIGHT
         assert r.buffered_bytes <= _MAX_IN_FLIGHT * _MAX_TOTAL
         assert len(r._recent) <= 16
+
+
+# --- roster digest ------------------------------------------------------------
+
+
+def test_roster_digest_is_order_sensitive_and_unambiguous() -> None:
+    d = wire.roster_digest
+    assert d(None) == wire.NO_ROSTER
+    assert d(("a", "b")) == d(["a", "b"]) != d(("b", "a"))
+    assert d(("ab", "c")) != d(("a", "bc"))  # length-prefixed, not joined
+    assert len(d(("a",))) == 16 and d(("a",)) != wire.NO_ROSTER
+
+
+def test_step_hashes_carry_a_valid_roster_hash() -> None:
+    msg = StepHashes(3, "a", H, H, wire.roster_digest(("a", "b")))
+    assert decode(encode(msg)) == msg
+    with pytest.raises(WireError, match="roster_hash"):
+        decode(_mutated(msg, roster_hash="XY"))
+    with pytest.raises(WireError, match="missing field"):
+        decode(_mutated(msg, roster_hash=_DEL))
