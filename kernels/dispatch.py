@@ -148,10 +148,12 @@ def int8_matmul(x: Array, w: Array) -> Array:
     w = check_array("w", w, np.float32)
     if x.shape[1] != w.shape[0]:
         raise ValueError(f"inner dimensions differ: x is {x.shape}, w is {w.shape}")
-    check_k(x.shape[1])
-    qa, sa = quantize_values(x, 1, "x")
-    qb, sb = quantize_values(w, 0, "w")
-    acc = _run(qa, qb, x.shape[0] * x.shape[1] * w.shape[1], values=True)
+    (m, k), n = x.shape, w.shape[1]
+    check_k(k)
+    bufs = get_backend(active_backend()).operand_buffers(m, k, n)
+    qa, sa = quantize_values(x, 1, "x", out=None if bufs is None else bufs[0])
+    qb, sb = quantize_values(w, 0, "w", out=None if bufs is None else bufs[1])
+    acc = _run(qa, qb, m * k * n, values=True)
     # float32 products are fresh arrays owned here; int32/float64 ones round once to float32
     y = acc if acc.dtype == np.float32 else acc.astype(np.float32)
     return scale_inplace(y, sa, sb)

@@ -198,3 +198,42 @@ def test_memory_bound_512x768x768(name: str) -> None:
     bound = be.peak_bytes(m, k, n) + result + (64 << 10)
     assert peak <= bound, (peak, bound)
     assert peak < m * n * k // 20  # nowhere near an (m, n, k) temporary
+
+
+@pytest.mark.parametrize("k", [300, 1500])
+def test_results_do_not_alias_reused_buffers(k: int) -> None:
+    rng = np.random.default_rng(10)
+    a1, a2 = (rng.integers(-128, 128, (20, k), dtype=np.int8) for _ in range(2))
+    b1, b2 = (rng.integers(-128, 128, (k, 30), dtype=np.int8) for _ in range(2))
+    r1 = gemm_int8(a1, b1)
+    x1 = rng.standard_normal((20, k)).astype(np.float32)
+    w1 = rng.standard_normal((k, 30)).astype(np.float32)
+    y1 = kernels.int8_matmul(x1, w1)
+    y1_copy = y1.copy()
+    gemm_int8(a2, b2)
+    kernels.int8_matmul(x1 * 2, w1 + 1)
+    assert np.array_equal(r1, ref_gemm(a1, b1))
+    assert np.array_equal(y1, y1_copy)
+
+
+def test_threads_do_not_share_buffers() -> None:
+    import threading
+
+    rng = np.random.default_rng(11)
+    cases = [(rng.integers(-128, 128, (64, 200), dtype=np.int8),
+              rng.integers(-128, 128, (200, 48), dtype=np.int8)) for _ in range(4)]
+    errors: list[int] = []
+
+    def work(i: int) -> None:
+        a, b = cases[i]
+        want = ref_gemm(a, b)
+        for _ in range(60):
+            if not np.array_equal(gemm_int8(a, b), want):
+                errors.append(i)
+
+    threads = [threading.Thread(target=work, args=(i,)) for i in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert errors == []
