@@ -84,14 +84,9 @@ class BlasBackend(Backend):
 
     def __init__(self) -> None:
         self._ws = _Workspaces()
-        self._all: list[dict[str, Array]] = []  # every thread's pool, for poison()
-        self._lock = threading.Lock()
 
     def _buf(self, key: str, shape: tuple[int, int]) -> Array:
         bufs = self._ws.bufs
-        if not bufs:
-            with self._lock:
-                self._all.append(bufs)
         size = shape[0] * shape[1]
         buf = bufs.get(key)
         if buf is None or buf.size < size:
@@ -102,10 +97,10 @@ class BlasBackend(Backend):
         return buf[:size].reshape(shape)
 
     def poison(self) -> None:
-        with self._lock:
-            for bufs in self._all:
-                for buf in bufs.values():
-                    buf.fill(np.nan)
+        # only the calling thread's pool: that is the one its next GEMM reuses, and other
+        # threads may be mid-GEMM in theirs
+        for buf in self._ws.bufs.values():
+            buf.fill(np.nan)
 
     def operand_buffers(self, m: int, k: int, n: int) -> tuple[Array, Array]:
         return self._buf("a", (m, k)), self._buf("b", (k, n))

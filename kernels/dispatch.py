@@ -4,6 +4,7 @@ multiply-accumulate counters."""
 from __future__ import annotations
 
 import logging
+import threading
 from typing import Any
 
 import numpy as np
@@ -41,8 +42,15 @@ def demote(name: str, reason: str) -> None:
     log.warning("kernels: backend %s demoted: %s", name, reason)
 
 
+_gate_lock = threading.Lock()
+
+
 def _gated(name: str) -> bool:
-    if name not in _status:
+    if name in _status:
+        return _status[name]
+    with _gate_lock:  # one thread gates; the others wait for its verdict
+        if name in _status:
+            return _status[name]
         try:
             why = gate_failure(get_backend(name))
         except Exception as e:  # e.g. the lut table failed certification while building

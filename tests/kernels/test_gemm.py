@@ -237,3 +237,4 @@ def test_threads_do_not_share_buffers() -> None:
     for t in threads:
         t.join()
     assert errors == []
+    assert kernels.demotions() == [] and kernels.active_backend() == "blas"  # gated once
