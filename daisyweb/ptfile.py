@@ -25,6 +25,7 @@ loading never runs pickled code.
 from __future__ import annotations
 
 import collections
+import contextlib
 import io
 import os
 import pickle
@@ -206,9 +207,15 @@ def save_pt(path_or_file: str | os.PathLike[str] | IO[bytes], obj: Any) -> None:
         path_or_file.write(payload)  # type: ignore[union-attr]
     else:
         tmp = f"{os.fspath(path_or_file)}.tmp.{os.getpid()}"
-        with open(tmp, "wb") as f:
-            f.write(payload)
-        os.replace(tmp, path_or_file)
+        try:
+            with open(tmp, "wb") as f:
+                f.write(payload)
+            os.replace(tmp, path_or_file)
+        except BaseException:
+            # Never leave a half-written temp file behind (e.g. disk full).
+            with contextlib.suppress(OSError):
+                os.unlink(tmp)
+            raise
 
 
 # ---------------------------------------------------------------------------- reading
@@ -231,8 +238,11 @@ def _is_int(x: Any) -> bool:
     return type(x) is int
 
 
-def _rebuild_tensor_v2(storage: Any, offset: Any, size: Any, stride: Any,
+def _rebuild_tensor_v2(limit: list[int], storage: Any, offset: Any, size: Any, stride: Any,
                        requires_grad: Any = False, hooks: Any = None, *rest: Any) -> np.ndarray:
+    # ``limit`` (bytes still allowed, shared with the unpickler) is charged *before* the
+    # copy: a zero stride or one storage rebuilt many times via the memo could otherwise
+    # allocate far more than the file holds.
     if not isinstance(storage, _Storage):
         raise PtFormatError("tensor storage is not a storage")
     if rest and not (len(rest) == 1 and (rest[0] is None or rest[0] == {})):
@@ -262,6 +272,9 @@ def _rebuild_tensor_v2(storage: Any, offset: Any, size: Any, stride: Any,
         raise PtFormatError(
             f"tensor of size {size} stride {stride} offset {offset} exceeds storage "
             f"of {data.size} elements")
+    limit[0] -= numel * data.dtype.itemsize
+    if limit[0] < 0:
+        raise PtFormatError("tensors exceed max_bytes")
     item = data.dtype.itemsize
     view = np.lib.stride_tricks.as_strided(
         data[offset:], shape=size, strides=tuple(st * item for st in stride), writeable=False)
@@ -284,12 +297,15 @@ class _RestrictedUnpickler(pickle.Unpickler):
 
     def find_class(self, module: str, name: str) -> Any:
         if module == "torch._utils" and name == "_rebuild_tensor_v2":
-            return _rebuild_tensor_v2
+            return self._rebuild
         if module == "collections" and name == "OrderedDict":
             return _make_ordered_dict
         if module == "torch" and name in _DTYPE_FOR_STORAGE:
             return _StorageType(name)
         raise PtFormatError(f"refusing global {module}.{name}")
+
+    def _rebuild(self, *args: Any) -> np.ndarray:
+        return _rebuild_tensor_v2(self._limit, *args)
 
     def persistent_load(self, pid: Any) -> Any:
         if not (isinstance(pid, tuple) and len(pid) == 5 and pid[0] == "storage"):
@@ -334,24 +350,42 @@ def _read_entry(zf: zipfile.ZipFile, info: zipfile.ZipInfo) -> bytes:
     return data
 
 
-def _check_tree(obj: Any, depth: int = 0) -> None:
+def _check_tree(obj: Any, depth: int = 0, seen: set[int] | None = None,
+                path: set[int] | None = None) -> None:
+    # The pickle memo lets a tiny file reference one container many times (a DAG such as
+    # L[k] = [L[k-1], L[k-1]]); visiting each container once keeps this linear instead of
+    # exponential, and ``path`` (the ancestors) still catches true recursion.
+    if seen is None or path is None:
+        seen, path = set(), set()
     if depth > _MAX_DEPTH:
         raise PtFormatError("object nested too deeply (or recursive)")
     if obj is None or type(obj) in (bool, int, float, str) or isinstance(obj, np.ndarray):
         return
+    if type(obj) not in (dict, collections.OrderedDict, list, tuple):
+        raise PtFormatError(f"unexpected object of type {type(obj).__name__}")
+    key = id(obj)
+    if key in path:
+        raise PtFormatError("object nested too deeply (or recursive)")
+    if key in seen:
+        return
+    seen.add(key)
+    path.add(key)
     if type(obj) in (dict, collections.OrderedDict):
         if obj.__class__ is collections.OrderedDict and vars(obj):
-            raise PtFormatError("unexpected OrderedDict attributes")
+            # torch's state_dict() carries a plain ``_metadata`` attribute (module
+            # versions); allow exactly that, checked like any other value.
+            attrs = vars(obj)
+            if set(attrs) != {"_metadata"}:
+                raise PtFormatError("unexpected OrderedDict attributes")
+            _check_tree(attrs["_metadata"], depth + 1, seen, path)
         for k, v in obj.items():
             if type(k) not in (str, int):
                 raise PtFormatError(f"bad dict key type {type(k).__name__}")
-            _check_tree(v, depth + 1)
-        return
-    if type(obj) in (list, tuple):
+            _check_tree(v, depth + 1, seen, path)
+    else:
         for v in obj:
-            _check_tree(v, depth + 1)
-        return
-    raise PtFormatError(f"unexpected object of type {type(obj).__name__}")
+            _check_tree(v, depth + 1, seen, path)
+    path.discard(key)
 
 
 def load_pt(path_or_file: str | os.PathLike[str] | IO[bytes],
