@@ -191,13 +191,11 @@ def test_memory_bound_512x768x768(name: str) -> None:
     a = rng.integers(-128, 128, (m, k), dtype=np.int8)
     b = rng.integers(-128, 128, (k, n), dtype=np.int8)
     be = dispatch.get_backend(name)
-    if name == "lut":  # the lut is slow; its blocking is shape-independent, check fewer rows
-        m, a = 130, a[:130]
     result = 4 * m * n
     peak = _peak_extra(be.gemm, a, b)
     bound = be.peak_bytes(m, k, n) + result + (64 << 10)
     assert peak <= bound, (peak, bound)
-    assert peak < m * n * k // 20  # nowhere near an (m, n, k) temporary
+    assert peak < 20 << 20  # MB-scale; an (m, n, k) int32 temporary would be 1.2 GB
 
 
 @pytest.mark.parametrize("k", [300, 1500])
