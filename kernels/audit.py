@@ -14,6 +14,7 @@ uniform sample of 8 cells from a 4096-wide output hits the last column 0.2% of t
 
 from __future__ import annotations
 
+import threading
 from dataclasses import dataclass
 
 import numpy as np
@@ -65,6 +66,7 @@ _plans: dict[tuple[int, int, int, bool], tuple[Array, Array, Array]] = {}
 _POOL = 1 << 14
 _pool = np.empty(0)
 _pos = 0
+_pool_lock = threading.Lock()
 
 
 def _uniforms(count: int, rng: np.random.Generator | None) -> Array:
@@ -72,11 +74,12 @@ def _uniforms(count: int, rng: np.random.Generator | None) -> Array:
     global _pool, _pos
     if rng is not None:
         return rng.random(count)
-    if _pos + count > _pool.size:
-        _pool = _rng.random(max(_POOL, count))
-        _pos = 0
-    _pos += count
-    return _pool[_pos - count : _pos]
+    with _pool_lock:  # GEMMs may run on several threads
+        if _pos + count > _pool.size:
+            _pool = _rng.random(max(_POOL, count))
+            _pos = 0
+        _pos += count
+        return _pool[_pos - count : _pos]
 
 
 def _plan(m: int, n: int, budget: int, stratified: bool) -> tuple[Array, Array, Array]:

@@ -226,6 +226,7 @@ class LutBackend(Backend):
     name = "lut"
     MAX_PRODUCTS = 1 << 20
     M_BLOCK = 64
+    m_edges = (64,)
 
     def __init__(self) -> None:
         self.table = build_product_table()
