@@ -36,6 +36,7 @@ import os
 import sys
 import time
 from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -57,7 +58,11 @@ __all__ = [
 
 TICK_S = 0.2
 BUFFER_BEFORE_START = 512  # messages kept while a follower waits for its snapshot
+DRAIN_S = 5.0
+LINGER_S = 0.3
+PENDING_PER_PEER = 16  # messages held for a peer whose channel is not up yet
 DATA_EVERY_S = 30.0
+START_TEXT_CHARS = 1 << 18  # built-in text encoded before the first step
 DATA_MAX_TOKENS = 4_000_000
 
 
@@ -273,9 +278,18 @@ def _leader_state(opts: PeerOptions, tokinfo: Any) -> Any:
     return TrainState.fresh(run)
 
 
-async def run_peer(opts: PeerOptions) -> int:
-    """Run one peer to the end. Returns the exit code; raises PeerError for setup errors."""
-    hooks = TestHooks.from_env()
+async def run_peer(
+    opts: PeerOptions,
+    *,
+    hooks: TestHooks | None = None,
+    mesh_factory: Callable[..., Any] | None = None,
+) -> int:
+    """Run one peer to the end. Returns the exit code; raises PeerError for setup errors.
+
+    ``mesh_factory`` (default ``daisyweb.mesh.Mesh``) lets tests run several peers in
+    one process over an in-memory mesh with the same interface.
+    """
+    hooks = TestHooks.from_env() if hooks is None else hooks
     if opts.save:
         parent = Path(opts.save).resolve().parent
         if not parent.is_dir():
@@ -284,15 +298,16 @@ async def run_peer(opts: PeerOptions) -> int:
         break_kernel_for_tests()
     tok, tokinfo = _tokenizer_info()
     state = _leader_state(opts, tokinfo) if opts.start else None
-    driver = _Driver(opts, hooks, tok, tokinfo, state)
+    driver = _Driver(opts, hooks, tok, tokinfo, state, mesh_factory)
     return await driver.main()
 
 
 class _Driver:
     def __init__(self, opts: PeerOptions, hooks: TestHooks, tok: Any, tokinfo: Any,
-                 state: Any) -> None:
+                 state: Any, mesh_factory: Callable[..., Any] | None) -> None:
         from daisyweb.train import MetricsWriter
 
+        self.mesh_factory = mesh_factory
         self.opts = opts
         self.hooks = hooks
         self.tok = tok
@@ -303,13 +318,14 @@ class _Driver:
         self.mesh: Any = None
         self.metrics = MetricsWriter(opts.metrics)
         self.queue: asyncio.Queue[tuple[Any, ...]] = asyncio.Queue()
-        self.outboxes: dict[str, asyncio.Queue[wire.Message | None]] = {}
+        self.outboxes: dict[str, asyncio.Queue[wire.Message]] = {}
         self.senders: dict[str, asyncio.Task[None]] = {}
         self.connected: list[str] = []
         self.tasks: list[asyncio.Task[Any]] = []
         self.sampler: Any = None
         self.pending_tokens: deque[np.ndarray] = deque()
         self.fetched_tokens = 0
+        self.builtin_loaded = False
         self.progress: Any = None
         self.result: tuple[int, str] | None = None
         self.dropped_once = False
@@ -320,12 +336,15 @@ class _Driver:
 
     # ------------------------------------------------------------------ setup
     def _mesh(self) -> Any:
-        from daisyweb.mesh import Mesh
+        factory = self.mesh_factory
+        if factory is None:
+            from daisyweb.mesh import Mesh
 
-        return Mesh(
-            self.opts.server, room=self.opts.room, name=self.opts.name,
+            factory = Mesh
+        return factory(
+            self.opts.server, room=self.opts.room, name=self.opts.name or "peer",
             approve=self._approve_callback(), ice_hosts=self.opts.ice_hosts or None,
-            stun=self.opts.stun or None, join_timeout=self.opts.join_timeout,
+            stun=list(self.opts.stun), join_timeout=self.opts.join_timeout,
             heartbeat_interval=self.opts.heartbeat_interval,
             heartbeat_timeout=self.opts.heartbeat_timeout,
         )
@@ -346,21 +365,23 @@ class _Driver:
         return ask
 
     async def main(self) -> int:
-        from daisyweb.mesh import JoinDenied, JoinTimeout
-
         self.mesh = self._mesh()
         if self.hooks.drop_gradient is not None:
             self.mesh.fault_drop = self._fault_drop
         try:
             try:
                 await self.mesh.start()
-            except JoinTimeout:
-                raise PeerError(3, f"not admitted within {self.opts.join_timeout:g} s "
-                                   "(is the host there and approving?)") from None
-            except JoinDenied:
-                raise PeerError(3, "the host denied this peer") from None
-            except OSError as exc:
-                raise PeerError(3, f"cannot reach the signaling server: {exc}") from None
+            except Exception as exc:
+                # By name: the mesh's JoinTimeout/JoinDenied (or a test mesh's own);
+                # checked first, as a JoinTimeout may well be an OSError too.
+                kind = type(exc).__name__
+                if kind == "JoinTimeout":
+                    raise PeerError(3, f"{exc}") from None
+                if kind == "JoinDenied":
+                    raise PeerError(3, f"the host denied this peer: {exc}") from None
+                if kind == "MeshError" or isinstance(exc, OSError):
+                    raise PeerError(3, f"cannot join: {exc}") from None
+                raise
             _log(f"joined as {self.mesh.self_id}"
                  + (f" in room {self.opts.room}" if self.opts.room else ""))
             self.tasks.append(asyncio.create_task(self._pump_mesh()))
@@ -370,7 +391,9 @@ class _Driver:
             else:
                 await self._start_follower()
             await self._loop()
-            return await self._finish()
+            code = await self._finish()
+            await self._drain()
+            return code
         finally:
             for t in self.tasks + list(self.senders.values()):
                 t.cancel()
@@ -392,13 +415,9 @@ class _Driver:
             await self.queue.put(("tick",))
 
     async def _start_leader(self) -> None:
-        from daisyweb.data import BatchSampler, builtin_tokens
-
         run = self.state.run
         self.replica = _Replica(self.state, self.hooks.fork_at)
-        self.sampler = BatchSampler(builtin_tokens(), batch=run.batch, seq=run.model.seq,
-                                    seed=run.seed, peer=self.mesh.self_id)
-        self._start_data(run)
+        self._make_sampler(run)
         deadline = time.monotonic() + self.opts.join_timeout
         ups: list[str] = []
         held: list[tuple[Any, ...]] = []
@@ -436,7 +455,6 @@ class _Driver:
     async def _start_follower(self) -> None:
         """Wait for Config + Snapshot from a leader; buffer everything else meanwhile."""
         from daisyweb.checkpoint import CheckpointError, checkpoint_from_bytes
-        from daisyweb.data import BatchSampler, builtin_tokens
         from daisyweb.train import RunConfig, TrainState
 
         deadline = time.monotonic() + self.opts.join_timeout
@@ -485,9 +503,7 @@ class _Driver:
             break
         self.state = state
         self.replica = _Replica(state, self.hooks.fork_at)
-        self.sampler = BatchSampler(builtin_tokens(), batch=run.batch, seq=run.model.seq,
-                                    seed=run.seed, peer=self.mesh.self_id)
-        self._start_data(run)
+        self._make_sampler(run)
         self.machine = sync.StepMachine(
             self.mesh.self_id, self.replica, run.steps, _probe, leader=leader,
             repair_after=self.opts.repair_after, join_timeout=self.opts.join_timeout)
@@ -506,9 +522,30 @@ class _Driver:
         self.progress.start(self.state.step)
 
     # ------------------------------------------------------------------ data
-    def _start_data(self, run: Any) -> None:
-        if run.data != "builtin":
+    def _make_sampler(self, run: Any) -> None:
+        """Sampler over the head of the built-in corpus now; then /data slices in the
+        background, or the rest of the built-in corpus if /data is not there (encoding
+        all of it takes a second or two, so it is not done up front)."""
+        from daisyweb.data import BatchSampler, builtin_text
+
+        head = self.tok.encode(builtin_text()[:START_TEXT_CHARS])
+        self.sampler = BatchSampler(head, batch=run.batch, seq=run.model.seq,
+                                    seed=run.seed, peer=self.mesh.self_id)
+        if run.data == "builtin":
+            self.tasks.append(asyncio.create_task(self._load_builtin()))
+        else:
             self.tasks.append(asyncio.create_task(self._fetch_data()))
+
+    async def _load_builtin(self) -> None:
+        from daisyweb.data import builtin_text
+
+        if self.builtin_loaded:
+            return
+        self.builtin_loaded = True
+        loop = asyncio.get_running_loop()
+        rest = await loop.run_in_executor(
+            None, self.tok.encode, builtin_text()[START_TEXT_CHARS:])
+        self.pending_tokens.append(np.asarray(rest))
 
     async def _fetch_data(self) -> None:
         """Fetch text slices from /data now and then; failures just keep the corpus."""
@@ -523,8 +560,10 @@ class _Driver:
                         text = await resp.text() if resp.status == 200 else ""
                         source = resp.headers.get("X-Daisyweb-Source", "?")
                 except (aiohttp.ClientError, TimeoutError, UnicodeDecodeError) as exc:
-                    _log(f"/data unavailable ({type(exc).__name__}); built-in corpus continues")
+                    _log(f"/data unavailable ({type(exc).__name__}); using the built-in corpus")
                     text, source = "", "-"
+                if not text:
+                    await self._load_builtin()
                 if text:
                     loop = asyncio.get_running_loop()
                     ids = await loop.run_in_executor(None, self.tok.encode, text)
@@ -546,17 +585,15 @@ class _Driver:
     def _peer_connected(self, peer: str) -> None:
         if peer not in self.connected:
             self.connected.append(peer)
-        if peer not in self.outboxes:
-            self.outboxes[peer] = asyncio.Queue()
+        self.outboxes.setdefault(peer, asyncio.Queue())
+        if peer not in self.senders:
             self.senders[peer] = asyncio.create_task(self._sender(peer))
 
     def _peer_gone(self, peer: str) -> None:
         if peer in self.connected:
             self.connected.remove(peer)
-        box = self.outboxes.pop(peer, None)
+        self.outboxes.pop(peer, None)
         task = self.senders.pop(peer, None)
-        if box is not None:
-            box.put_nowait(None)
         if task is not None:
             task.cancel()
 
@@ -564,12 +601,20 @@ class _Driver:
         box = self.outboxes[peer]
         while True:
             msg = await box.get()
-            if msg is None:
-                return
             try:
                 await self.mesh.send(peer, msg)
             except Exception as exc:  # a dead channel: the heartbeat will report it
                 _log(f"send to {peer} failed: {type(exc).__name__}: {exc}")
+            finally:
+                box.task_done()
+
+    async def _drain(self, timeout: float = DRAIN_S) -> None:
+        """Let queued messages (a Halt, the last hashes) leave before the mesh closes."""
+        boxes = [b for p, b in self.outboxes.items() if p in self.senders]
+        with contextlib.suppress(TimeoutError):
+            await asyncio.wait_for(asyncio.gather(*(b.join() for b in boxes)), timeout)
+        # The channel still holds what send() handed it; give it a moment to go out.
+        await asyncio.sleep(LINGER_S)
 
     def _fault_drop(self, peer: str, msg: Any) -> bool:
         """Test hook: drop this peer's gradient of one step to exactly one recipient."""
@@ -599,8 +644,14 @@ class _Driver:
         msg = self._corrupt(msg)
         for p in self.connected if to is None else to:
             box = self.outboxes.get(p)
-            if box is not None:
-                box.put_nowait(msg)
+            if box is None:
+                # A roster member whose channel to us is not up yet: hold a few
+                # messages for it (bounded); repair covers anything beyond.
+                box = self.outboxes[p] = asyncio.Queue()
+            if p not in self.senders and box.qsize() >= PENDING_PER_PEER:
+                box.get_nowait()
+                box.task_done()
+            box.put_nowait(msg)
 
     # ------------------------------------------------------------------ loop
     async def _loop(self) -> None:
