@@ -27,7 +27,7 @@ def builtin_text() -> str:
 @functools.cache
 def builtin_paragraphs() -> tuple[str, ...]:
     """The corpus split at blank lines: book titles and one paragraph per chapter."""
-    return tuple(p for p in builtin_text().split("\n\n") if p.strip())
+    return tuple(p.strip() for p in builtin_text().split("\n\n") if p.strip())
 
 
 @functools.cache
