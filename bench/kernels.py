@@ -10,6 +10,7 @@ processes hits all of them alike) and the best round is reported; GFLOP/s = 2mkn
 from __future__ import annotations
 
 import argparse
+import os
 import time
 from collections.abc import Callable
 
@@ -39,8 +40,8 @@ def _round(fn: Callable[[], object], reps: int) -> float:
 
 
 def best_times(fns: dict[str, Callable[[], object]], rounds: int) -> dict[str, float]:
-    # warm-up (gates, buffers, BLAS threads); then enough calls per round to fill ~20 ms
-    reps = {name: max(1, int(0.02 / max(_once(fn), _once(fn), 1e-6))) for name, fn in fns.items()}
+    # warm-up (gates, buffers, BLAS threads); then enough calls per round to fill ~10 ms
+    reps = {name: max(1, int(0.01 / max(_once(fn), _once(fn), 1e-6))) for name, fn in fns.items()}
     best = {name: float("inf") for name in fns}
     for _ in range(rounds):
         for name, fn in fns.items():
@@ -121,8 +122,9 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--quick", action="store_true", help="small shapes, few rounds, no write")
     args = p.parse_args(argv)
     shapes = QUICK_SHAPES if args.quick else SHAPES
-    rounds = 3 if args.quick else 15
+    rounds = 3 if args.quick else 30
     dispatch.reset()
+    load = os.getloadavg()[0]  # the machine is shared: say how busy it was
     slow_rate: dict[str, float] = {}
     rows = [run_shape(m, k, n, rounds, slow_rate) for m, k, n in shapes]
     md = table(rows)
@@ -132,13 +134,13 @@ def main(argv: list[str] | None = None) -> None:
         "## Kernels: exact int8 GEMM vs numpy matmul",
         "",
         f"Command: `{cmd}`  ",
-        f"Machine: {machine()}  ",
+        f"Machine: {machine()}; 1-min load average at start {load:.1f}  ",
         f"Gates: {gate}; probe hash {kernels.probe_hash()[:16]}...",
         "",
         md,
         "",
         f"Best of {rounds} interleaved rounds per method (each round repeats the call to "
-        "fill ~20 ms); GFLOP/s = 2mkn / time. "
+        "fill ~10 ms); GFLOP/s = 2mkn / time. "
         "`gemm_int8` runs on the active backend with the live audit on (its default); "
         "`int8_matmul` is quantize rows + quantize cols + GEMM + epilogue, end to end. "
         "numpy int32 matmul and `lut` run once; they are skipped (\"skipped\") where the "
