@@ -1,0 +1,446 @@
+"""Mesh tests: real signaling server on 127.0.0.1 (ephemeral port), real aiortc."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import time
+
+import aiohttp
+import pytest
+from aiohttp import web
+
+from daisyweb import mesh as meshmod
+from daisyweb import wire
+from daisyweb.mesh import (
+    BadMessage,
+    BroadcastError,
+    JoinDenied,
+    JoinTimeout,
+    Members,
+    Mesh,
+    MeshError,
+    PeerDown,
+    PeerUp,
+    Received,
+)
+from signaling.server import create_app
+
+# aiortc's SCTP waits at least 1 s (its minimum RTO) to resend a lost packet, and a
+# loaded loop does drop loopback UDP during big transfers: timeouts stay above that.
+HB = {"heartbeat_interval": 0.2, "heartbeat_timeout": 2.5}
+# Only tiny messages cross these links, so a tight timeout is safe and keeps tests short.
+FAST_HB = {"heartbeat_interval": 0.1, "heartbeat_timeout": 0.8}
+
+
+class Server:
+    async def start(self) -> Server:
+        self.app = create_app()
+        self.runner = web.AppRunner(self.app)
+        await self.runner.setup()
+        site = web.TCPSite(self.runner, "127.0.0.1", 0)
+        await site.start()
+        self.port = site._server.sockets[0].getsockname()[1]
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.meshes: list[Mesh] = []
+        return self
+
+    def mesh(self, **kw) -> Mesh:
+        kw.setdefault("ice_hosts", ["127.0.0.1"])
+        for k, v in HB.items():
+            kw.setdefault(k, v)
+        m = Mesh(self.url, **kw)
+        self.meshes.append(m)
+        return m
+
+    async def stop(self) -> None:
+        await asyncio.gather(*(m.close() for m in self.meshes))
+        await self.runner.cleanup()
+
+
+@pytest.fixture
+async def srv():
+    s = await Server().start()
+    yield s
+    await s.stop()
+
+
+async def until(m: Mesh, pred, timeout: float = 5.0, seen: list | None = None):
+    """Read events until pred(event); returns it (others go to ``seen``)."""
+    end = time.monotonic() + timeout
+    while True:
+        left = end - time.monotonic()
+        if left <= 0:
+            raise AssertionError(f"no matching event within {timeout} s; saw {seen}")
+        e = await asyncio.wait_for(m.next_event(), left)
+        if pred(e):
+            return e
+        if seen is not None:
+            seen.append(e)
+
+
+def up(peer: str):
+    return lambda e: isinstance(e, PeerUp) and e.peer == peer
+
+
+def received(peer: str | None = None):
+    return lambda e: isinstance(e, Received) and (peer is None or e.peer == peer)
+
+
+async def connected_pair(srv: Server, **kw) -> tuple[Mesh, Mesh]:
+    a, b = srv.mesh(name="a", **kw), srv.mesh(name="b", **kw)
+    await a.start()
+    await b.start()
+    await until(a, up(b.self_id))
+    await until(b, up(a.self_id))
+    return a, b
+
+
+def candidates(m: Mesh, peer: str) -> list[str]:
+    sdp = m._links[peer].pc.localDescription.sdp
+    return [ln for ln in sdp.splitlines() if ln.startswith("a=candidate")]
+
+
+def grad(sender: str, n_bytes: int, step: int = 1, seed: int = 0) -> wire.Gradient:
+    return wire.Gradient(step=step, sender=sender, payload=os.urandom(n_bytes - n_bytes % 4))
+
+
+# ----------------------------------------------------------------------------
+
+
+def test_ws_url():
+    assert meshmod._ws_url("http://127.0.0.1:8787") == "ws://127.0.0.1:8787/ws"
+    assert meshmod._ws_url("https://x.example/base/") == "wss://x.example/base/ws"
+    assert meshmod._ws_url("ws://127.0.0.1:1/ws") == "ws://127.0.0.1:1/ws"
+    with pytest.raises(ValueError):
+        meshmod._ws_url("ftp://127.0.0.1")
+
+
+async def test_two_peers_exchange_small_and_multi_mb(srv):
+    a, b = await connected_pair(srv)
+    assert a.members == b.members == (a.self_id, b.self_id)
+    assert a.connected() == [b.self_id] and b.connected() == [a.self_id]
+    # Only loopback host candidates in the SDP both sides used.
+    for m, other in ((a, b), (b, a)):
+        lines = candidates(m, other.self_id)
+        assert lines
+        for ln in lines:
+            assert ln.split()[4] == "127.0.0.1" and " typ host" in ln, ln
+
+    hello = wire.Hello(peer_id=a.self_id)
+    await a.send(b.self_id, hello)
+    e = await until(b, received(a.self_id))
+    assert e.message == hello
+
+    big = grad(b.self_id, 3 * 2**20 + 12345)  # many frames, ragged last one
+    assert len(wire.frame(wire.encode(big), 1)) > 60
+    await b.send(a.self_id, big)
+    e = await until(a, received(b.self_id))
+    assert e.message.payload == big.payload  # bit-exact after reassembly
+
+
+async def test_send_order_and_errors(srv):
+    a, b = await connected_pair(srv)
+    msgs = [grad("s", 4 + i * 70_000, step=i) for i in range(6)]  # 1 to 7 frames
+    await asyncio.gather(*(a.send(b.self_id, m) for m in msgs))
+    got = [(await until(b, received())).message for _ in msgs]
+    assert got == msgs  # per-link lock: delivered in send() order, frames not interleaved
+    with pytest.raises(MeshError, match="not connected"):
+        await a.send("ffffffff", msgs[0])
+    small = srv.mesh(name="small", max_message_bytes=1000)
+    small.self_id = "x"  # not started: sizes are checked before any link lookup
+    with pytest.raises(MeshError, match="over max_message_bytes"):
+        await small.send("nobody", grad("x", 2000))
+
+
+async def test_three_peers_broadcast(srv):
+    ms = [srv.mesh(name=f"p{i}") for i in range(3)]
+    for m in ms:
+        await m.start()
+    for m in ms:
+        want = {o.self_id for o in ms if o is not m}
+        while want:  # PeerUps come in any order
+            want.discard((await until(m, lambda e: isinstance(e, PeerUp), timeout=8)).peer)
+    ids = {m.self_id for m in ms}
+    for m in ms:
+        assert set(m.connected()) == ids - {m.self_id}
+        assert set(m.members) == ids
+    # Exactly one pc per pair: the lower id dialled, the higher answered.
+    for m in ms:
+        assert set(m._dialers) == {o for o in ids if o > m.self_id}
+    g = grad(ms[0].self_id, 2 * 2**20)
+    await ms[0].broadcast(g)
+    for m in ms[1:]:
+        e = await until(m, received(ms[0].self_id))
+        assert e.message == g
+    # Explicit peer list, including one that is not connected: others still get it.
+    h = wire.Hello(peer_id=ms[1].self_id)
+    with pytest.raises(BroadcastError) as ei:
+        await ms[1].broadcast(h, peers=[ms[2].self_id, "deadbeef"])
+    assert set(ei.value.failed) == {"deadbeef"}
+    assert (await until(ms[2], received(ms[1].self_id))).message == h
+
+
+async def test_closed_peer_reported_down_quickly(srv):
+    a, b = await connected_pair(srv, **FAST_HB)
+    t0 = time.monotonic()
+    await b.close()
+    e = await until(a, lambda e: isinstance(e, PeerDown), timeout=FAST_HB["heartbeat_timeout"] + 1)
+    assert e.peer == b.self_id and e.reason in ("channel closed", "left signaling")
+    assert time.monotonic() - t0 < FAST_HB["heartbeat_timeout"] + 1
+    assert a.connected() == []
+    await b.close()  # idempotent
+    with pytest.raises(MeshError, match="closed"):
+        await b.next_event()
+
+
+async def test_heartbeat_timeout_and_liveness_from_data(srv):
+    a, b = await connected_pair(srv, **FAST_HB)
+    # a stops heartbeating to b but streams data for longer than the timeout: any frame
+    # counts as liveness, so b must not declare a dead.
+    a.fault_drop = lambda peer, msg: isinstance(msg, wire.Heartbeat)
+    end = time.monotonic() + 2 * FAST_HB["heartbeat_timeout"]
+    n = 0
+    while time.monotonic() < end:
+        await a.send(b.self_id, wire.Halt(step=n, reason="tick"))
+        n += 1
+        await asyncio.sleep(0.05)
+    seen: list = []
+    for _ in range(n):
+        await until(b, received(a.self_id), seen=seen)
+    assert not [e for e in seen if isinstance(e, PeerDown)], seen
+    # Now silence: b must notice within heartbeat_timeout + 1 s.
+    t0 = time.monotonic()
+    e = await until(b, lambda e: isinstance(e, PeerDown), timeout=FAST_HB["heartbeat_timeout"] + 1)
+    assert (e.peer, e.reason) == (a.self_id, "heartbeat timeout")
+    assert time.monotonic() - t0 < FAST_HB["heartbeat_timeout"] + 1
+    # Heal the fault: the lower id dials again and the link comes back (no glare).
+    a.fault_drop = None
+    await until(a, up(b.self_id), timeout=8)
+    await until(b, up(a.self_id), timeout=8)
+    await a.send(b.self_id, wire.Hello(peer_id=a.self_id))
+    assert (await until(b, received(a.self_id))).message.peer_id == a.self_id
+
+
+async def test_fault_drop_one_message_to_one_peer(srv):
+    a, b = await connected_pair(srv)
+    dropped: list = []
+
+    def drop(peer, msg):
+        if isinstance(msg, wire.Gradient) and msg.step == 2 and peer == b.self_id:
+            dropped.append(msg)
+            return True
+        return False
+
+    a.fault_drop = drop
+    for step in (1, 2, 3):
+        await a.send(b.self_id, wire.Gradient(step=step, sender=a.self_id, payload=b"\0" * 8))
+    steps = [(await until(b, received())).message.step for _ in range(2)]
+    assert steps == [1, 3] and len(dropped) == 1
+
+
+async def test_backpressure_bounds_channel_buffer(srv):
+    a, b = await connected_pair(srv)
+    ch = a._links[b.self_id].channel
+    peak = 0
+    real_send = ch.send
+
+    def send(data):
+        nonlocal peak
+        real_send(data)
+        peak = max(peak, ch.bufferedAmount)
+
+    ch.send = send
+    g = grad(a.self_id, 4 * 2**20)
+    await a.send(b.self_id, g)
+    assert (await until(b, received())).message == g
+    # Without waiting on bufferedAmount all 4 MB would have been queued at once.
+    assert 0 < peak <= meshmod.SEND_HIGH_WATER + wire.MAX_FRAME
+
+
+async def test_bad_frames_reported_link_survives(srv):
+    a, b = await connected_pair(srv)
+    ch = a._links[b.self_id].channel
+    ch.send(b"garbage, not a frame at all: no magic")
+    ch.send("text")
+    ch.send(wire.frame(b"\xc1 not msgpack", 999)[0])  # a valid frame, undecodable message
+    # A multi-frame message with one corrupted frame: one BadMessage, not one per frame.
+    frames = wire.frame(wire.encode(grad(a.self_id, 500_000)), 1000)
+    frames[2] = frames[2][:-1]
+    for f in frames:
+        ch.send(f)
+    errors = [(await until(b, lambda e: isinstance(e, BadMessage))).error for _ in range(4)]
+    assert "magic" in errors[0]
+    assert "text" in errors[1]
+    assert "not a msgpack" in errors[2]
+    assert "frame 2" in errors[3]
+    # The link is still up and carries good messages.
+    await a.send(b.self_id, wire.Hello(peer_id=a.self_id))
+    seen: list = []
+    await until(b, received(a.self_id), seen=seen)
+    assert seen == [] and b.connected() == [a.self_id]
+
+
+async def test_misbehaving_peer_dropped(srv):
+    a, b = await connected_pair(srv)
+    ch = a._links[b.self_id].channel
+    for _ in range(meshmod.MAX_BAD_MESSAGES + 1):
+        ch.send(b"junk" * 10)
+    seen: list = []
+    e = await until(b, lambda e: isinstance(e, PeerDown), seen=seen)
+    assert e.reason.startswith("too many bad messages")
+    assert sum(isinstance(x, BadMessage) for x in seen) == meshmod.MAX_BAD_MESSAGES + 1
+
+
+async def test_oversize_message_refused_by_receiver(srv):
+    a = srv.mesh(name="a")
+    b = srv.mesh(name="b", max_message_bytes=100_000)
+    await a.start()
+    await b.start()
+    await until(b, up(a.self_id))
+    await a.send(b.self_id, grad(a.self_id, 200_000))
+    e = await until(b, lambda e: isinstance(e, (BadMessage, Received)))
+    assert isinstance(e, BadMessage) and "over limit" in e.error
+    assert b.connected() == [a.self_id]
+
+
+async def test_receive_backlog_bounded(srv):
+    a = srv.mesh(name="a")
+    b = srv.mesh(name="b", max_pending_bytes=1_000_000)
+    await a.start()
+    await b.start()
+    await until(a, up(b.self_id))
+    await until(b, up(a.self_id))
+    for step in range(4):  # b's application reads nothing meanwhile
+        await a.send(b.self_id, grad(a.self_id, 400_000, step=step))
+    for _ in range(200):  # reading events would drain the backlog: only peek
+        if any(isinstance(e, PeerDown) for e, _ in b._events):
+            break
+        await asyncio.sleep(0.025)
+    seen: list = []
+    e = await until(b, lambda e: isinstance(e, PeerDown), seen=seen)
+    assert e.reason == "receive backlog full"
+    assert [x.message.step for x in seen if isinstance(x, Received)] == [0, 1]
+
+
+async def test_offer_from_higher_id_ignored(srv):
+    a, b = await connected_pair(srv)
+    lo, hi = sorted((a, b), key=lambda m: m.self_id)
+    link = lo._links[hi.self_id]
+    # Were it not ignored, the answerer path would first replace the live link.
+    offer = {"sdp": "v=0", "type": "offer"}
+    await hi._ws.send_json({"type": "signal", "to": lo.self_id, "kind": "offer", "data": offer})
+    await hi.send(lo.self_id, wire.Hello(peer_id=hi.self_id))
+    seen: list = []
+    await until(lo, received(hi.self_id), seen=seen)
+    assert lo._links[hi.self_id] is link and not seen  # same pc, no PeerDown
+
+
+async def test_leave_and_rejoin(srv):
+    a, b = await connected_pair(srv)
+    old = b.self_id
+    await b.close()
+    await until(a, lambda e: isinstance(e, Members) and old not in e.members)
+    c = srv.mesh(name="b-again")
+    await c.start()
+    await until(a, up(c.self_id), timeout=8)
+    await until(c, up(a.self_id), timeout=8)
+    await c.send(a.self_id, wire.Hello(peer_id=c.self_id))
+    assert (await until(a, received(c.self_id))).message.peer_id == c.self_id
+    assert a.connected() == [c.self_id]
+
+
+async def test_room_approval_callback(srv):
+    asked: list = []
+
+    async def approve(pid: str, name: str) -> bool:
+        asked.append((pid, name))
+        return name == "friend"
+
+    host = srv.mesh(name="host", room="lab-42", approve=approve)
+    await host.start()
+    assert host.host == host.self_id
+    friend = srv.mesh(name="friend", room="lab-42", join_timeout=5)
+    await friend.start()
+    await until(host, up(friend.self_id))
+    stranger = srv.mesh(name="stranger", room="lab-42", join_timeout=5)
+    with pytest.raises(JoinDenied, match="denied"):
+        await stranger.start()
+    assert [n for _, n in asked] == ["friend", "stranger"]
+    assert host.members == (host.self_id, friend.self_id)
+
+
+async def test_join_timeout(srv):
+    gate = asyncio.Event()
+
+    async def never(pid: str, name: str) -> bool:
+        await gate.wait()
+        return True
+
+    host = srv.mesh(name="host", room="slow-room", approve=never)
+    await host.start()
+    late = srv.mesh(name="late", room="slow-room", join_timeout=0.5)
+    t0 = time.monotonic()
+    with pytest.raises(JoinTimeout, match="not admitted"):
+        await late.start()
+    assert time.monotonic() - t0 < 2
+    assert late._ws.closed  # gave up: the socket is closed, nothing left running
+
+
+async def test_dashboard_decision_and_host_key(srv):
+    gate = asyncio.Event()
+
+    async def never(pid: str, name: str) -> bool:
+        await gate.wait()
+        return False  # would deny, but the dashboard decides first
+
+    host = srv.mesh(name="host", room="dash-room", approve=never)
+    await host.start()
+    for _ in range(50):
+        if host.host_key:
+            break
+        await asyncio.sleep(0.02)
+    assert host.host_key and host.host_key in host.host_link()
+    joiner = srv.mesh(name="joiner", room="dash-room", join_timeout=5)
+    join = asyncio.create_task(joiner.start())
+    async with aiohttp.ClientSession() as s:
+        for _ in range(100):
+            if host._waiting:
+                break
+            await asyncio.sleep(0.02)
+        (pid,) = host._waiting
+        r = await s.post(
+            f"{srv.url}/api/rooms/dash-room/decide",
+            json={"key": host.host_key, "id": pid, "approve": True},
+        )
+        assert r.status == 200
+    await asyncio.wait_for(join, 5)
+    assert joiner.self_id == pid and pid in host.members
+    gate.set()  # the cancelled callback must not send a second (deny) decision
+    await asyncio.sleep(0.1)
+    assert host.members == (host.self_id, pid)
+
+
+async def test_report_status_reaches_server_and_is_coalesced(srv):
+    m = srv.mesh(name="solo")
+    await m.start()
+    for step in range(60):  # faster than the server's 50 msg/s limit
+        await m.report_status(step=step, loss=1.0 / (step + 1), hash="ab", peers=0)
+    await asyncio.sleep(meshmod.STATUS_MIN_INTERVAL * 3)
+    group = srv.app["registry"].groups[m.group]
+    assert group.reports[m.self_id]["step"] == 59  # the latest always arrives
+    assert len(group.history[m.self_id]) < 10
+    assert srv.app["registry"].peers[m.self_id][0].errors == 0  # never rate limited
+
+
+async def test_unknown_signaling_type_ignored(srv):
+    m = srv.mesh(name="solo")
+    await m.start()
+    await m._on_signaling({"type": "from-the-future", "x": 1})
+    assert m.signaling_up and m.members == (m.self_id,)
+
+
+async def test_unreachable_server():
+    m = Mesh("http://127.0.0.1:9", ice_hosts=["127.0.0.1"], join_timeout=3)
+    with pytest.raises(MeshError, match="cannot connect"):
+        await m.start()
