@@ -52,6 +52,18 @@ def test_quantize_exact_ties_round_half_up() -> None:
     assert q.tolist() == [[127, 3, -2, 1, 0, 4]]
 
 
+def test_exact_ties_with_an_arbitrary_scale() -> None:
+    # a 16-bit-mantissa scale makes every (k + 0.5) * s exactly representable
+    s = np.float32(np.round(1.2345 * 2**15) / 2**15)
+    ks = np.arange(-127, 127)
+    row = np.concatenate([[127 * s], (ks + 0.5) * s]).astype(np.float32)
+    assert np.array_equal(row[1:].astype(np.float64) / np.float64(s), ks + 0.5)  # true ties
+    for fn, x in ((quantize_rows, row[None, :]), (quantize_cols, row[:, None])):
+        q, sc = fn(np.ascontiguousarray(x))
+        assert sc[0] == s
+        assert q.ravel().tolist() == [127, *(ks + 1).tolist()]  # half rounds up, always
+
+
 def test_round_trip_error_bound() -> None:
     rng = np.random.default_rng(3)
     x = (rng.standard_normal((64, 300)) * rng.lognormal(0, 3, (64, 1))).astype(np.float32)
