@@ -385,13 +385,27 @@ async def decide(request: web.Request) -> web.Response:
     return _no_store(web.json_response({"ok": True, "forwarded": True}))
 
 
+async def data_slice(app: web.Application) -> tuple[str, str]:
+    """(text, source) for /data: a FineWeb-Edu slice, else the built-in corpus."""
+    reader = app.get("fineweb")
+    if reader is not None:
+        piece = await reader.next_slice()
+        if piece is not None:
+            return piece.text, "fineweb"
+    return builtin_slice(), "builtin"
+
+
 async def data(request: web.Request) -> web.Response:
-    # FineWeb range reading is not implemented yet: always the built-in corpus.
-    if request.app["data_source"] != "builtin":
-        log.info("/data: fineweb reader unavailable, serving built-in corpus")
+    text, source = await data_slice(request.app)
     return web.Response(
-        text=builtin_slice(), content_type="text/plain", headers={"X-Daisyweb-Source": "builtin"}
+        text=text, content_type="text/plain", headers={"X-Daisyweb-Source": source}
     )
+
+
+async def _close_fineweb(app: web.Application) -> None:
+    reader = app.get("fineweb")
+    if reader is not None:
+        await reader.close()
 
 
 async def index(request: web.Request) -> web.StreamResponse:
@@ -420,14 +434,27 @@ def create_app(
     trust_proxy: bool = False,
     heartbeat: float | None = 20.0,
     data_source: str = "builtin",
+    hf_endpoint: str | None = None,
+    fineweb: Any = None,
     **kw: Any,
 ) -> web.Application:
+    """``data_source="fineweb"``: /data reads FineWeb-Edu from ``hf_endpoint`` (default the
+    Hub's), falling back to the built-in corpus; ``fineweb`` injects a ready reader (tests).
+    """
+    if data_source not in ("fineweb", "builtin"):
+        raise ValueError(f"data_source must be 'fineweb' or 'builtin', not {data_source!r}")
     app = web.Application()
     app["registry"] = Registry()
     app["trust_proxy"] = trust_proxy
     app["heartbeat"] = heartbeat
     app["data_source"] = data_source
     app["data_options"] = kw
+    if data_source == "fineweb" and fineweb is None:
+        from .fineweb import FineWebReader  # pyarrow/fsspec only when FineWeb is wanted
+
+        fineweb = FineWebReader(hf_endpoint)
+    app["fineweb"] = fineweb if data_source == "fineweb" else None
+    app.on_cleanup.append(_close_fineweb)
     app.router.add_get("/ws", ws_handler)
     app.router.add_get("/healthz", healthz)
     app.router.add_get("/api/groups", list_groups)
