@@ -134,3 +134,20 @@ def test_configure_validates() -> None:
         audit.configure(budget=0)
     cfg = audit.configure(budget=5, stratified=False, seed=3)
     assert cfg.budget == 5 and not cfg.stratified
+
+
+def test_wrong_kind_of_result_demotes_without_an_audit(monkeypatch: pytest.MonkeyPatch) -> None:
+    class WideOnlyInt64(BlasBackend):
+        def gemm(self, a: Array, b: Array) -> Array:
+            r = super().gemm(a, b)
+            return r.astype(np.int64) if r.shape[1] >= 4096 else r
+
+    monkeypatch.setitem(FACTORIES, "blas", WideOnlyInt64)
+    dispatch.reset()
+    audit.configure(enabled=False)
+    a = np.ones((2, 3), np.int8)
+    b = np.ones((3, 4096), np.int8)
+    got = kernels.gemm_int8(a, b)
+    assert got.dtype == np.int32 and (got == 3).all()
+    assert kernels.active_backend() == "blas64"
+    assert "int64" in kernels.backend_status()["blas"]["reason"]
