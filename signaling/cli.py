@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import logging
 import sys
+from urllib.parse import urlsplit
 
 from aiohttp import web
 
@@ -21,27 +22,47 @@ def build_parser() -> argparse.ArgumentParser:
     p = _Parser(prog="daisyweb-signal", description="daisyweb signaling server")
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--port", type=int, default=8787)
-    p.add_argument("--data", choices=("fineweb", "builtin"), default="fineweb")
-    p.add_argument("--hf-endpoint", default=None, help="Hugging Face endpoint URL")
+    p.add_argument(
+        "--data", choices=("fineweb", "builtin"), default="fineweb",
+        help="/data source: FineWeb-Edu (falls back to the built-in corpus) or built-in only",
+    )
+    p.add_argument(
+        "--hf-endpoint", default=None, metavar="URL",
+        help="Hugging Face endpoint or mirror for FineWeb-Edu (default $HF_ENDPOINT, else the Hub)",
+    )
     p.add_argument("--trust-proxy", action="store_true", help="honour X-Forwarded-For")
     p.add_argument("--heartbeat", type=float, default=20.0)
     return p
 
 
-def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    """Parsed and checked flags; a bad one exits 2 with one line on stderr."""
+    parser = build_parser()
+    args = parser.parse_args(argv)
     if not 0 < args.port < 65536:
-        build_parser().error(f"--port must be 1-65535, got {args.port}")
+        parser.error(f"--port must be 1-65535, got {args.port}")
     if args.heartbeat <= 0:
-        build_parser().error("--heartbeat must be positive")
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
-    app = create_app(
+        parser.error("--heartbeat must be positive")
+    if args.hf_endpoint is not None:
+        u = urlsplit(args.hf_endpoint)
+        if u.scheme not in ("http", "https") or not u.hostname or u.query or u.fragment:
+            parser.error(f"--hf-endpoint must be an http(s) URL, got {args.hf_endpoint!r}")
+    return args
+
+
+def build_app(args: argparse.Namespace) -> web.Application:
+    return create_app(
         trust_proxy=args.trust_proxy,
         heartbeat=args.heartbeat,
         data_source=args.data,
         hf_endpoint=args.hf_endpoint,
     )
-    web.run_app(app, host=args.host, port=args.port)
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
+    web.run_app(build_app(args), host=args.host, port=args.port)
     return 0
 
 

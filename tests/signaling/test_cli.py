@@ -12,3 +12,39 @@ def test_bad_flags_one_line_nonzero(argv, capsys):
     assert e.value.code != 0
     err = capsys.readouterr().err.strip()
     assert err.startswith("daisyweb-signal: error:") and "\n" not in err
+
+
+@pytest.mark.parametrize(
+    "url", ["ftp://127.0.0.1/", "127.0.0.1:8080", "http://", "http://127.0.0.1/?x=1", ""]
+)
+def test_bad_hf_endpoint_one_line_nonzero(url, capsys):
+    with pytest.raises(SystemExit) as e:
+        main(["--hf-endpoint", url])
+    assert e.value.code == 2
+    err = capsys.readouterr().err.strip()
+    assert err.startswith("daisyweb-signal: error: --hf-endpoint") and "\n" not in err
+
+
+def test_default_data_is_fineweb_against_the_hub(monkeypatch):
+    from signaling.cli import build_app, parse_args
+    from signaling.fineweb import FineWebReader
+
+    monkeypatch.delenv("HF_ENDPOINT", raising=False)
+    args = parse_args([])
+    assert args.data == "fineweb" and args.hf_endpoint is None
+    reader = build_app(args)["fineweb"]
+    assert isinstance(reader, FineWebReader)  # built, but nothing fetched until /data
+    assert reader.endpoint == "https://huggingface.co" and reader.fetches == 0
+    assert reader.shards[0].url.startswith("https://huggingface.co/datasets/HuggingFaceFW/")
+
+
+def test_hf_endpoint_flag_and_builtin(monkeypatch):
+    from signaling.cli import build_app, parse_args
+
+    monkeypatch.setenv("HF_ENDPOINT", "http://127.0.0.1:1")
+    app = build_app(parse_args(["--hf-endpoint", "http://127.0.0.1:9/mirror/"]))
+    assert app["fineweb"].endpoint == "http://127.0.0.1:9/mirror"  # the flag wins over env
+    assert app["fineweb"].shards[1].url == (
+        "http://127.0.0.1:9/mirror/datasets/HuggingFaceFW/fineweb-edu/resolve/main/"
+        "sample/10BT/001_00000.parquet")
+    assert build_app(parse_args(["--data", "builtin"]))["fineweb"] is None

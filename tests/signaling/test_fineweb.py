@@ -383,3 +383,13 @@ async def test_builtin_source_never_builds_a_reader():
     assert source == "builtin" and text.strip()
     with pytest.raises(ValueError):
         create_app(data_source="bogus")
+
+
+async def test_cli_app_reads_from_hf_endpoint(hub, shard_file):
+    from signaling.cli import build_app, parse_args
+
+    _, docs = shard_file
+    hub.files = {f"sample/10BT/{i:03d}_00000.parquet" for i in range(SHARD_COUNT)}
+    app = build_app(parse_args(["--hf-endpoint", hub.url]))  # default --data fineweb
+    text, source = await _get(app)
+    assert source == "fineweb" and all(d in docs for d in _docs_of(text))
