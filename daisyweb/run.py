@@ -33,6 +33,7 @@ import importlib
 import inspect
 import math
 import os
+import signal
 import sys
 import time
 from collections import deque
@@ -390,6 +391,11 @@ class _Driver:
                 await self._start_leader()
             else:
                 await self._start_follower()
+            loop = asyncio.get_running_loop()
+            # From here on an interrupt ends the run cleanly: end record, checkpoint.
+            for sig in (signal.SIGINT, signal.SIGTERM):
+                with contextlib.suppress(NotImplementedError, RuntimeError):
+                    loop.add_signal_handler(sig, self.queue.put_nowait, ("interrupt",))
             await self._loop()
             code = await self._finish()
             await self._drain()
@@ -664,7 +670,10 @@ class _Driver:
             return
         now = time.monotonic()
         kind = item[0]
-        if kind == "tick":
+        if kind == "interrupt":
+            _log(f"interrupted at step {m.boundary}")
+            self.result = (130, "interrupted")
+        elif kind == "tick":
             await self._do(m.tick(now))
         elif kind == "grad":
             _, step, loss, grad, secs = item
