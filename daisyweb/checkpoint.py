@@ -79,6 +79,7 @@ __all__ = [
     "save_checkpoint",
     "load_checkpoint",
     "restore_optimizer",
+    "model_diff",
 ]
 
 MAGIC = "daisyweb-checkpoint"
@@ -194,7 +195,11 @@ def _check_step(value: Any) -> int:
     return value
 
 
-def _model_diff(a: ModelConfig, b: ModelConfig) -> str:
+def model_diff(a: ModelConfig, b: ModelConfig) -> str:
+    """The fields where two model configs differ, e.g. ``"width 128 vs 256"`` ("" if equal).
+
+    For reporting a conflict between a checkpoint's config (which wins) and model flags.
+    """
     da, db = a.to_dict(), b.to_dict()
     return ", ".join(f"{k} {da[k]} vs {db[k]}" for k in da if da[k] != db[k])
 
@@ -286,8 +291,15 @@ def checkpoint_to_tree(ckpt: Checkpoint) -> dict[str, Any]:
 
 
 def checkpoint_from_tree(tree: Any, *, expect_model: ModelConfig | None = None,
-                         expect_tokenizer: TokenizerInfo | None = None) -> Checkpoint:
-    """Validate a loaded ``.pt`` dict completely and build a new Checkpoint from it."""
+                         expect_tokenizer: TokenizerInfo | None = None,
+                         expect_step: int | None = None,
+                         expect_weight_hash: str | None = None) -> Checkpoint:
+    """Validate a loaded ``.pt`` dict completely and build a new Checkpoint from it.
+
+    ``expect_*`` (all optional) refuse a checkpoint that is valid but not the one the
+    caller wants: another model or tokenizer, or, for a snapshot, not the step and weight
+    hash the group announced.
+    """
     if not isinstance(tree, dict):
         raise _err(f"the file holds a {type(tree).__name__}, not a daisyweb checkpoint dict",
                    "pass a checkpoint written by daisyweb (--save)")
@@ -318,7 +330,7 @@ def checkpoint_from_tree(tree: Any, *, expect_model: ModelConfig | None = None,
     tokenizer = TokenizerInfo(tok["vocab_size"], tok["file_hash"])
     if expect_model is not None and model != expect_model:
         raise _err(f"checkpoint model {model} differs from the expected {expect_model} "
-                   f"({_model_diff(model, expect_model)})",
+                   f"({model_diff(model, expect_model)})",
                    "drop the conflicting model flags (the checkpoint's config wins) or pick "
                    "the checkpoint of this model")
     if expect_tokenizer is not None and tokenizer != expect_tokenizer:
@@ -330,6 +342,13 @@ def checkpoint_from_tree(tree: Any, *, expect_model: ModelConfig | None = None,
     step = _check_step(tree["step"])
     stored_hash = _check_hash(tree["weight_hash"])
     run = _check_run(tree["run"])
+    if expect_step is not None and step != expect_step:
+        raise _err(f"checkpoint is at step {step}, expected step {expect_step}",
+                   "ask the sender for the snapshot of the announced step")
+    if expect_weight_hash is not None and stored_hash != expect_weight_hash:
+        raise _err(f"checkpoint weight hash {stored_hash[:16]}... differs from the expected "
+                   f"{str(expect_weight_hash)[:16]}...",
+                   "this is not the state the group published; ask for a fresh snapshot")
 
     layout = param_layout(model)
     names = {PARAM_PREFIX + n for n, _ in layout}
@@ -385,8 +404,13 @@ def checkpoint_to_bytes(ckpt: Checkpoint) -> bytes:
 
 def checkpoint_from_bytes(data: bytes, *, expect_model: ModelConfig | None = None,
                           expect_tokenizer: TokenizerInfo | None = None,
+                          expect_step: int | None = None,
+                          expect_weight_hash: str | None = None,
                           max_bytes: int = DEFAULT_MAX_BYTES) -> Checkpoint:
-    """Parse and fully validate checkpoint bytes (e.g. a Snapshot payload)."""
+    """Parse and fully validate checkpoint bytes (e.g. a Snapshot payload).
+
+    For a snapshot pass ``expect_step=snap.step, expect_weight_hash=snap.weight_hash``.
+    """
     if not isinstance(data, (bytes, bytearray, memoryview)):
         raise _err(f"checkpoint data must be bytes, got {type(data).__name__}",
                    "pass the file contents")
@@ -406,7 +430,8 @@ def checkpoint_from_bytes(data: bytes, *, expect_model: ModelConfig | None = Non
                    "the file is damaged, truncated or not a .pt checkpoint; use another "
                    "copy") from None
     return checkpoint_from_tree(tree, expect_model=expect_model,
-                                expect_tokenizer=expect_tokenizer)
+                                expect_tokenizer=expect_tokenizer, expect_step=expect_step,
+                                expect_weight_hash=expect_weight_hash)
 
 
 def _write_all(fd: int, data: bytes) -> None:
@@ -466,6 +491,7 @@ def save_checkpoint(path: str | os.PathLike[str], ckpt: Checkpoint) -> None:
 
 def load_checkpoint(path: str | os.PathLike[str], *, expect_model: ModelConfig | None = None,
                     expect_tokenizer: TokenizerInfo | None = None,
+                    expect_step: int | None = None, expect_weight_hash: str | None = None,
                     max_bytes: int = DEFAULT_MAX_BYTES) -> Checkpoint:
     """Read and fully validate the checkpoint at ``path`` (see :func:`checkpoint_from_bytes`)."""
     name = os.fspath(path)
@@ -480,7 +506,8 @@ def load_checkpoint(path: str | os.PathLike[str], *, expect_model: ModelConfig |
                    "this is not a daisyweb checkpoint or raise max_bytes")
     try:
         return checkpoint_from_bytes(data, expect_model=expect_model,
-                                     expect_tokenizer=expect_tokenizer, max_bytes=max_bytes)
+                                     expect_tokenizer=expect_tokenizer, expect_step=expect_step,
+                                     expect_weight_hash=expect_weight_hash, max_bytes=max_bytes)
     except CheckpointError as exc:
         raise CheckpointError(f"{name}: {exc}") from None
 

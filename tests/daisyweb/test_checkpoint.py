@@ -23,6 +23,7 @@ from daisyweb.checkpoint import (
     checkpoint_to_tree,
     load_checkpoint,
     make_checkpoint,
+    model_diff,
     restore_optimizer,
     save_checkpoint,
 )
@@ -229,9 +230,16 @@ def test_bytes_travel_as_snapshot_payload():
     assert all(o is None for o in out[:-1]) and out[-1] is not None
     got = wire.decode(out[-1])
     assert isinstance(got, wire.Snapshot)
-    back = checkpoint_from_bytes(got.payload, expect_model=model, expect_tokenizer=TOK)
+    back = checkpoint_from_bytes(got.payload, expect_model=model, expect_tokenizer=TOK,
+                                 expect_step=got.step, expect_weight_hash=got.weight_hash)
     assert back == ckpt
     assert got.step == back.step and got.weight_hash == back.weight_hash
+    # a valid checkpoint that is not the announced state is refused
+    with pytest.raises(CheckpointError, match="at step 3, expected step 4"):
+        checkpoint_from_bytes(got.payload, expect_step=4)
+    other = _ckpt(seed=4, model=model).weight_hash
+    with pytest.raises(CheckpointError, match="differs from the expected " + other[:16]):
+        checkpoint_from_bytes(got.payload, expect_weight_hash=other)
     # a joiner also refuses a payload that is not the checkpoint it claims to be
     with pytest.raises(CheckpointError):
         checkpoint_from_bytes(got.payload[:-1])
@@ -511,6 +519,12 @@ def test_expect_model_mismatch_refused(change):
                                               f"{getattr(MODEL, field)} vs {change[field]}"):
         checkpoint_from_bytes(data, expect_model=other)
     assert checkpoint_from_bytes(data, expect_model=MODEL).model == MODEL
+
+
+def test_model_diff():
+    assert model_diff(MODEL, MODEL) == ""
+    wide = ModelConfig(vocab=50, width=16, layers=1, heads=4, seq=4)
+    assert model_diff(MODEL, wide) == "width 8 vs 16, heads 2 vs 4"
 
 
 @pytest.mark.parametrize("other", [TokenizerInfo(51, TOK.file_hash),
