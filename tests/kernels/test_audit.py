@@ -151,3 +151,9 @@ def test_wrong_kind_of_result_demotes_without_an_audit(monkeypatch: pytest.Monke
     assert got.dtype == np.int32 and (got == 3).all()
     assert kernels.active_backend() == "blas64"
     assert "int64" in kernels.backend_status()["blas"]["reason"]
+
+
+def test_sampling_plans_stay_bounded() -> None:
+    for m in range(1, 400):
+        audit.sample_cells(m, 7, 8)
+    assert len(audit._plans) <= 257

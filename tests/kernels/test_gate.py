@@ -196,3 +196,12 @@ def test_use_backend_rejects_unknown_and_restores() -> None:
     with kernels.use_backend("mirror"):
         assert kernels.active_backend() == "mirror"
     assert kernels.active_backend() == before
+
+
+def test_no_backend_at_all_raises(monkeypatch: pytest.MonkeyPatch) -> None:
+    for name in FACTORIES:
+        monkeypatch.setitem(FACTORIES, name, WideBlock if name != "lut" else Crashes)
+    monkeypatch.setattr(WideBlock, "gemm", lambda self, a, b: ref(a, b) + 1)
+    dispatch.reset()
+    with pytest.raises(RuntimeError, match="no kernel backend passed"):
+        kernels.active_backend()

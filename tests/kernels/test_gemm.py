@@ -236,3 +236,24 @@ def test_threads_do_not_share_buffers() -> None:
         t.join()
     assert errors == []
     assert kernels.demotions() == [] and kernels.active_backend() == "blas"  # gated once
+
+
+def test_lut_refuses_rows_wider_than_its_buffers() -> None:
+    be = LutBackend()
+    n = be.MAX_PRODUCTS + 1
+    with pytest.raises(ValueError, match="n <="):
+        be.gemm(np.ones((1, 1), np.int8), np.ones((1, n), np.int8))
+
+
+def test_blas_keeps_only_small_workspaces() -> None:
+    from kernels.backends import BlasBackend
+
+    be = BlasBackend()
+    be.WORK_CAP = 4 * 100 * 100  # bytes
+    a = np.ones((100, 100), np.int8)
+    assert (be.gemm(a, a) == 100).all()
+    kept = {key: buf.size for key, buf in be._ws.bufs.items()}
+    assert kept == {"a": 10000, "b": 10000, "c": 10000}
+    big = np.ones((101, 100), np.int8)
+    assert (be.gemm(big, a) == 100).all()
+    assert be._ws.bufs["a"].size == 10000  # the 101x100 operand was not kept
