@@ -27,6 +27,12 @@ FORMAT = "daisyweb-bpe"
 VERSION = 1
 N_BYTES = 256
 TOKENIZER_FILE = Path(__file__).resolve().parent / "tokenizer.json"
+# Pre-tokens longer than this are encoded in chunks of this many characters: BPE on one
+# word costs O(len * merges), so a megabyte without spaces (hostile /data text) would
+# otherwise stall a peer. Prose never has words this long, so ordinary text is unaffected.
+MAX_WORD = 256
+# Bound on the per-word cache (about 30-60 MB when full); past it, words are not cached.
+CACHE_WORDS = 1 << 18
 # GPT-2's pre-tokenisation with stdlib classes: [^\W\d_] is a letter, \d a digit, and
 # (?:[^\s\w]|_) anything else that is not whitespace. Every character falls in one of the
 # alternatives, so the pre-tokens always concatenate back to the input.
@@ -158,6 +164,8 @@ class Tokenizer:
         return tuple(ids)
 
     def encode(self, text: str) -> np.ndarray:
+        """int32 ids of ``text``. Safe to call from several threads (the cache is a dict
+        whose single get/set operations are atomic; a race only recomputes a word)."""
         if not isinstance(text, str):
             raise TypeError(f"encode takes str, not {type(text).__name__}")
         cache = self._cache
@@ -165,9 +173,13 @@ class Tokenizer:
         for word in self._re.findall(text):
             ids = cache.get(word)
             if ids is None:
-                ids = self._bpe(word)
-                if len(cache) < 1 << 20:  # bound memory on adversarial input
-                    cache[word] = ids
+                if len(word) > MAX_WORD:
+                    ids = tuple(i for k in range(0, len(word), MAX_WORD)
+                                for i in self._bpe(word[k : k + MAX_WORD]))
+                else:
+                    ids = self._bpe(word)
+                    if len(cache) < CACHE_WORDS:
+                        cache[word] = ids
             out.extend(ids)
         return np.array(out, dtype=np.int32)
 

@@ -20,6 +20,7 @@ from daisyweb.data import (
     default_tokenizer,
     train_bpe,
 )
+from daisyweb.data.tokenizer import CACHE_WORDS, MAX_WORD
 
 VOCAB_FILE = Path(data.__file__).resolve().parent / "tokenizer.json"
 # Pinned: checkpoints carry (vocab_size, file_hash). Changing the committed file must be
@@ -95,7 +96,9 @@ def test_pretokenisation_is_gpt2_like():
 def _naive_encode(tok: Tokenizer, text: str) -> list[int]:
     # reference: apply every merge in training order to each pre-token, no ranks, no cache
     out: list[int] = []
-    for word in re.findall(PATTERN, text):
+    words = [w[k : k + MAX_WORD] for w in re.findall(PATTERN, text)
+             for k in range(0, len(w), MAX_WORD)]
+    for word in words:
         ids = list(word.encode("utf-8"))
         for new, (a, b) in enumerate(tok.merges, start=256):
             i, merged = 0, []
@@ -117,6 +120,30 @@ def test_fast_encode_equals_sequential_merges(start):
     tok = default_tokenizer()
     text = builtin_text()[start : start + 200] + " naïve café, 3.14159 — 'quoted'"
     assert tok.encode(text).tolist() == _naive_encode(tok, text)
+
+
+def test_long_words_are_chunked_so_hostile_text_stays_fast():
+    tok = Tokenizer(default_tokenizer().merges)  # empty cache
+    # real words with the spaces taken out: unchunked BPE on one such word takes about
+    # 1 s for 20k characters and grows quadratically
+    despaced = re.sub(r"[^A-Za-z]", "", builtin_text()[:300_000])[:200_000]
+    for hostile in (despaced, " " * 200_000, "7" * 200_000, "é" * 50_000):
+        t0 = time.perf_counter()
+        ids = tok.encode(hostile)
+        assert time.perf_counter() - t0 < 5
+        assert tok.decode(ids) == hostile
+    assert len(tok._cache) < 100  # long words are not cached: memory stays bounded
+    long_word = "x" * (MAX_WORD + 10)
+    assert tok.encode(long_word).tolist() == _naive_encode(tok, long_word)
+
+
+def test_cache_is_bounded():
+    tok = Tokenizer(default_tokenizer().merges)
+    # CACHE_WORDS + 1000 distinct four-letter words (base-26 numerals)
+    words = ("".join(chr(97 + i // 26**k % 26) for k in range(4))
+             for i in range(CACHE_WORDS + 1000))
+    tok.encode(" ".join(words))
+    assert len(tok._cache) == CACHE_WORDS
 
 
 def test_encode_cache_gives_same_ids_and_rejects_non_text():
