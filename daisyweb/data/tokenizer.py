@@ -217,7 +217,9 @@ def train_bpe(text: str, vocab_size: int, *, pattern: str = PATTERN) -> list[tup
     """
     if vocab_size < N_BYTES:
         raise ValueError(f"vocab_size must be at least {N_BYTES}, got {vocab_size}")
-    counts = Counter(re.findall(pattern, text))
+    # words are chunked exactly as encode() chunks them
+    counts = Counter(w[k : k + MAX_WORD] for w in re.findall(pattern, text)
+                     for k in range(0, len(w), MAX_WORD))
     words: list[list[int]] = []
     freqs: list[int] = []
     for w, c in sorted(counts.items()):  # sorted: the result must not depend on dict order

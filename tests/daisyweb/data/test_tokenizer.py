@@ -253,7 +253,8 @@ def test_tokenizer_error_is_a_value_error():
 
 def _naive_train(text: str, vocab: int) -> list[tuple[int, int]]:
     # reference trainer: recount every pair each round; ties go to the smallest pair
-    words = Counter(re.findall(PATTERN, text))
+    words = Counter(w[k : k + MAX_WORD] for w in re.findall(PATTERN, text)
+                    for k in range(0, len(w), MAX_WORD))
     seqs = {w: list(w.encode("utf-8")) for w in words}
     merges = []
     while len(merges) < vocab - 256:
@@ -280,7 +281,8 @@ def _naive_train(text: str, vocab: int) -> list[tuple[int, int]]:
 
 
 def test_incremental_trainer_matches_naive_reference():
-    text = builtin_text()[100_000:130_000] + " aaaa aaa aa banana bandana ünïcödé"
+    text = (builtin_text()[100_000:130_000] + " aaaa aaa aa banana bandana ünïcödé "
+            + "abc" * 200)  # one word longer than MAX_WORD
     assert train_bpe(text, 256 + 120) == _naive_train(text, 256 + 120)
 
 
