@@ -164,6 +164,7 @@ def test_decode_refuses_out_of_range_ids_and_replaces_bad_utf8():
         tok.decode(np.zeros((2, 2), dtype=np.int32))
     assert tok.decode([]) == ""
     assert tok.decode([0xC3]) == "\ufffd"  # half a UTF-8 sequence decodes with replacement
+    assert tok.decode(tok.encode("a\ud800b")) == "a\ufffd\ufffd\ufffdb"  # lone surrogate
 
 
 def test_whole_corpus_compression_and_speed():
@@ -223,7 +224,7 @@ def test_garbage_and_wrong_shapes_are_refused(tmp_path):
         (lambda d: d.update(format="gpt2"), "format"),
         (lambda d: d.update(version=2), "version"),
         (lambda d: d.pop("pattern"), "pattern"),
-        (lambda d: d.update(pattern="(unclosed"), "regular expression"),
+        (lambda d: d.update(pattern=r"\w+"), "supported pre-tokenisation"),
         (lambda d: d.update(merges={"a": 1}), "list"),
         (lambda d: d["merges"].__setitem__(5, [1]), "merge 5"),
         (lambda d: d["merges"].__setitem__(5, [1.0, 2]), "merge 5"),
