@@ -327,6 +327,8 @@ class _Driver:
         self.pending_tokens: deque[np.ndarray] = deque()
         self.fetched_tokens = 0
         self.builtin_loaded = False
+        self.last_loss = 0.0
+        self.last_peers = 1
         self.progress: Any = None
         self.result: tuple[int, str] | None = None
         self.dropped_once = False
@@ -769,9 +771,11 @@ class _Driver:
         if self.opts.save and every and (c.step + 1) % every == 0:
             save_checkpoint(self.opts.save, self.state.checkpoint(self.tokinfo))
             self.last_saved = c.step + 1
+        self.last_loss = float(loss) if math.isfinite(loss) else 0.0
+        self.last_peers = len(c.roster)
         with contextlib.suppress(Exception):
             await self.mesh.report_status(
-                step=c.step + 1, loss=float(loss) if math.isfinite(loss) else 0.0,
+                step=c.step + 1, loss=self.last_loss,
                 hash=c.weight_hash[:16], peers=len(c.roster),
                 tokens_per_s=float(tokens_per_s), probe=c.probe_hash[:16], state="training")
 
@@ -790,8 +794,8 @@ class _Driver:
         self.metrics.write(end)
         with contextlib.suppress(Exception):
             await self.mesh.report_status(
-                step=self.state.step, hash=end["weight_hash"][:16],
-                state="done" if code == 0 else "halted")
+                step=self.state.step, loss=self.last_loss, hash=end["weight_hash"][:16],
+                peers=self.last_peers, state="done" if code == 0 else "halted")
         if code == 0:
             _log(f"done at step {self.state.step}, weight hash {end['weight_hash'][:16]}"
                  + (f", saved {saved}" if saved else ""))
