@@ -128,7 +128,8 @@ def main(argv: list[str] | None = None) -> None:
     slow_rate: dict[str, float] = {}
     rows = [run_shape(m, k, n, rounds, slow_rate) for m, k, n in shapes]
     md = table(rows)
-    gate = ", ".join(f"{name}: {'pass' if ok else ok}" for name, ok in kernels.backends())
+    verdict = {True: "passed", False: "demoted", None: "not gated (never needed; lazy)"}
+    gate = ", ".join(f"{name} {verdict[ok]}" for name, ok in kernels.backends())
     cmd = "python -m bench.kernels" + (" --quick" if args.quick else "")
     body = "\n".join([
         "## Kernels: exact int8 GEMM vs numpy matmul",
