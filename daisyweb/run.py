@@ -703,6 +703,9 @@ class _Driver:
                 await self._do(m.peer_down(ev.peer, now))
                 if m.is_leader and not was_leader:
                     _log(f"leading now from step {m.boundary} (the leader was lost)")
+                    # Peers still waiting for a snapshot were announced to the old leader.
+                    for p in list(self.connected):
+                        await self._do(m.peer_up(p, now))
             elif name == "BadMessage":
                 _log(f"refused a message from {ev.peer}: {ev.error}")
 

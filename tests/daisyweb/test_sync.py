@@ -544,3 +544,82 @@ def test_join_with_a_bad_snapshot_is_excluded() -> None:
     bus.run()
     assert "c" in bus.stopped and "snapshot" in bus.stopped["c"].reason
     assert set(bus.finished) == {"a", "b"}
+
+
+# --------------------------------------------------------------------------- guards
+
+
+def _trained(steps: int = 3, upto: int = 1) -> Bus:
+    bus = Bus(["a", "b", "c"], steps=steps)
+    bus.start()
+    while min(bus.replicas[p].step for p in "abc") < upto:
+        assert bus.step_once()
+    return bus
+
+
+def test_hashes_are_only_compared_when_made_with_the_same_roster() -> None:
+    bus = _trained(steps=5, upto=1)
+    m = bus.machines["b"]
+    b = m.boundary
+    used = m.roster(b - 1)
+    assert used is not None
+    other = wire.roster_digest(("a", "b"))
+    # a different hash made with another roster of the same step: stale, ignored
+    assert not any(isinstance(x, Stopped) for x in
+                   m.message("c", wire.StepHashes(b, "c", "ee" * 32, GOOD_PROBE, other)))
+    assert not m.done
+    same = wire.roster_digest(used)
+    out = m.message("c", wire.StepHashes(b, "c", "ee" * 32, GOOD_PROBE, same))
+    assert any(isinstance(x, Stopped) for x in out) and m.done
+
+
+def test_hashes_must_come_from_their_sender() -> None:
+    bus = _trained(steps=5, upto=1)
+    m = bus.machines["b"]
+    b = m.boundary
+    rh = wire.roster_digest(m.roster(b - 1))
+    assert m.message("a", wire.StepHashes(b, "c", "ee" * 32, GOOD_PROBE, rh)) == []
+    assert not m.done
+
+
+def test_halt_from_an_outsider_is_ignored() -> None:
+    bus = _trained(steps=5, upto=1)
+    m = bus.machines["b"]
+    assert m.message("zz", wire.Halt(1, "stop")) == [] and not m.done
+    out = m.message("c", wire.Halt(1, "stop"))
+    assert [type(x) for x in out] == [Stopped] and "c: stop" in out[0].reason
+
+
+def test_amendment_may_not_add_members() -> None:
+    bus = Bus(["a", "b"], steps=3)
+    bus.hold_compute.update("ab")
+    bus.start()
+    bus.run()
+    m = bus.machines["b"]
+    out = m.message("a", wire.Roster(0, ["a", "b", "x"]))
+    assert any(isinstance(x, Stopped) and "add members" in x.reason for x in out)
+
+
+def test_gradient_for_another_step_is_ignored() -> None:
+    bus = Bus(["a", "b"], steps=3)
+    bus.hold_compute.update("ab")
+    bus.start()
+    bus.run()
+    m = bus.machines["b"]
+    nan = np.full(SIZE, np.nan, np.float32).tobytes()
+    assert m.message("a", wire.Gradient(1, "a", nan)) == [] and not m.done
+    out = m.message("a", wire.Gradient(0, "a", nan))  # the current step: checked, refused
+    assert any(isinstance(x, Stopped) for x in out)
+
+
+def test_joiner_that_never_confirms_is_dropped_after_the_timeout() -> None:
+    bus = Bus(["a", "b"], steps=4)
+    bus.machines["a"].join_timeout = 5.0
+    bus.start()
+    bus.handle("a", bus.machines["a"].peer_up("ghost", bus.now))
+    bus.run()
+    assert [s.peer for s in bus.snapshots] == ["ghost"]
+    assert bus.replicas["a"].step == 0  # the roster waits for the joiner...
+    bus.advance(6.0)
+    assert any(e.peer == "ghost" for e in bus.excluded)  # ...but not for ever
+    assert set(bus.finished) == {"a", "b"}
