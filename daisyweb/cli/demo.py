@@ -1,0 +1,216 @@
+"""``daisyweb-demo``: the whole product on one machine, on loopback.
+
+``--peers 1`` trains in this process on the built-in corpus. ``--peers N`` (N >= 2)
+starts a signaling server and N ``daisyweb-peer`` processes on 127.0.0.1 that train as
+one group in a private room; the dashboard URL is printed first.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import secrets
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Sequence
+from pathlib import Path
+from typing import IO
+
+from daisyweb.checkpoint import TokenizerInfo
+from daisyweb.data import BatchSampler, builtin_tokens, default_tokenizer
+from daisyweb.model import ModelConfig
+from daisyweb.train import MetricsWriter, Progress, RunConfig, TrainState, train_local
+
+MAX_PEERS = 8
+
+
+def _parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="daisyweb-demo",
+        description="Train a daisyweb group on this machine (loopback only).")
+    p.add_argument("--peers", type=int, default=3, help="peers in the group (default 3)")
+    p.add_argument("--steps", type=int, default=300, help="training steps (default 300)")
+    p.add_argument("--width", type=int, default=128)
+    p.add_argument("--layers", type=int, default=4)
+    p.add_argument("--heads", type=int, default=4)
+    p.add_argument("--seq", type=int, default=64)
+    p.add_argument("--batch", type=int, default=8, help="sequences per peer per step")
+    p.add_argument("--lr", type=float, default=3e-3)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--save", metavar="FILE.pt", help="write the final checkpoint here")
+    p.add_argument("--save-every", type=int, default=0, metavar="K",
+                   help="also checkpoint every K steps (needs --save)")
+    p.add_argument("--metrics", metavar="FILE.jsonl", help="one JSON object per step")
+    p.add_argument("--port", type=int, default=8787,
+                   help="signaling/dashboard port for --peers >= 2 (default 8787; 0 = any)")
+    return p
+
+
+def _run_config(args: argparse.Namespace, parser: argparse.ArgumentParser) -> RunConfig:
+    vocab = default_tokenizer().vocab_size
+    try:
+        model = ModelConfig(vocab=vocab, width=args.width, layers=args.layers,
+                            heads=args.heads, seq=args.seq)
+        return RunConfig(model=model, batch=args.batch, steps=args.steps, lr=args.lr,
+                         seed=args.seed, data="builtin")
+    except ValueError as exc:
+        parser.error(str(exc))
+        raise  # unreachable: parser.error exits
+
+
+def run_single(args: argparse.Namespace, run: RunConfig) -> int:
+    tok = default_tokenizer()
+    info = TokenizerInfo(tok.vocab_size, tok.file_hash)
+    sampler = BatchSampler(builtin_tokens(), batch=run.batch, seq=run.model.seq,
+                           seed=run.seed, peer="demo-0")
+    state = TrainState.fresh(run)
+    print(f"daisyweb-demo: 1 peer, {state.size:,} parameters, {run.steps} steps, "
+          f"built-in corpus, kernels backend {_backend()}", flush=True)
+    metrics = MetricsWriter(args.metrics)
+    try:
+        train_local(state, sampler.sample, tokenizer=info, save=args.save,
+                    save_every=args.save_every, metrics=metrics,
+                    progress=Progress(run.steps))
+    except KeyboardInterrupt:
+        print(f"\ndaisyweb-demo: interrupted at step {state.step}"
+              + (f"; checkpoint saved to {args.save}" if args.save else ""), file=sys.stderr)
+        return 130
+    finally:
+        metrics.close()
+    print(f"daisyweb-demo: done, step {state.step}, weight hash {state.weight_hash()[:16]}"
+          + (f", saved {args.save}" if args.save else ""), flush=True)
+    return 0
+
+
+def _backend() -> str:
+    import kernels
+
+    return kernels.active_backend()
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def _pump(prefix: str, stream: IO[bytes], out: IO[str]) -> None:
+    for raw in iter(stream.readline, b""):
+        out.write(f"{prefix}{raw.decode(errors='replace')}")
+        out.flush()
+
+
+def _wait_http(port: int, proc: subprocess.Popen, timeout: float = 20.0) -> bool:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            return False
+        try:
+            with socket.create_connection(("127.0.0.1", port), timeout=0.5):
+                return True
+        except OSError:
+            time.sleep(0.1)
+    return False
+
+
+def peer_commands(args: argparse.Namespace, run: RunConfig, server: str,
+                  room: str) -> list[list[str]]:
+    """The ``daisyweb-peer`` command line of each demo peer (peer 0 leads and hosts)."""
+    base = [sys.executable, "-m", "daisyweb.cli.peer", "--server", server, "--room", room,
+            "--ice-host", "127.0.0.1", "--join-timeout", "60"]
+    leader = base + [
+        "--name", "peer-0", "--approve", "auto", "--start",
+        "--width", str(run.model.width), "--layers", str(run.model.layers),
+        "--heads", str(run.model.heads), "--seq", str(run.model.seq),
+        "--batch", str(run.batch), "--steps", str(run.steps), "--lr", repr(run.lr),
+        "--seed", str(run.seed)]
+    if args.save:
+        leader += ["--save", args.save]
+        if args.save_every:
+            leader += ["--save-every", str(args.save_every)]
+    if args.metrics:
+        leader += ["--metrics", args.metrics]
+    return [leader] + [base + ["--name", f"peer-{i}"] for i in range(1, args.peers)]
+
+
+def run_group(args: argparse.Namespace, run: RunConfig) -> int:
+    port = args.port or _free_port()
+    room = "demo-" + secrets.token_hex(4)
+    server_url = f"http://127.0.0.1:{port}"
+    env = dict(os.environ, PYTHONUNBUFFERED="1")
+    procs: list[subprocess.Popen] = []
+    pumps: list[threading.Thread] = []
+
+    def spawn(prefix: str, cmd: list[str]) -> subprocess.Popen:
+        proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, env=env)
+        t = threading.Thread(target=_pump, args=(prefix, proc.stdout, sys.stdout), daemon=True)
+        t.start()
+        procs.append(proc)
+        pumps.append(t)
+        return proc
+
+    try:
+        server = spawn("[signal] ", [sys.executable, "-m", "signaling.cli", "--host",
+                                     "127.0.0.1", "--port", str(port), "--data", "builtin"])
+        if not _wait_http(port, server):
+            print(f"daisyweb-demo: the signaling server did not start on port {port} "
+                  "(is the port taken? try --port 0)", file=sys.stderr)
+            return 1
+        print(f"daisyweb-demo: dashboard {server_url}/?room={room}  "
+              f"({args.peers} peers, {run.steps} steps, built-in corpus)", flush=True)
+        commands = peer_commands(args, run, server_url, room)
+        peers = [spawn("[peer-0] ", commands[0])]
+        time.sleep(1.0)  # the leader must join first: the room's first peer is its host
+        peers += [spawn(f"[peer-{i}] ", cmd) for i, cmd in enumerate(commands[1:], 1)]
+        codes = [p.wait() for p in peers]
+        for t in pumps[1:]:
+            t.join(timeout=2)
+        failed = [i for i, c in enumerate(codes) if c != 0]
+        if failed:
+            print(f"daisyweb-demo: peers {failed} exited with codes "
+                  f"{[codes[i] for i in failed]}", file=sys.stderr)
+            return 1
+        print("daisyweb-demo: done" + (f", saved {args.save}" if args.save else ""),
+              flush=True)
+        return 0
+    except KeyboardInterrupt:
+        print("\ndaisyweb-demo: interrupted", file=sys.stderr)
+        return 130
+    finally:
+        for p in reversed(procs):
+            if p.poll() is None:
+                p.send_signal(signal.SIGINT)
+        for p in reversed(procs):
+            try:
+                p.wait(timeout=10)
+            except subprocess.TimeoutExpired:
+                p.kill()
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = _parser()
+    args = parser.parse_args(argv)
+    if not 1 <= args.peers <= MAX_PEERS:
+        parser.error(f"--peers must be between 1 and {MAX_PEERS}")
+    if args.steps < 1:
+        parser.error("--steps must be >= 1")
+    if args.save_every < 0 or (args.save_every and not args.save):
+        parser.error("--save-every needs --save and must be >= 0")
+    if args.save and not Path(args.save).resolve().parent.is_dir():
+        parser.error(f"--save: directory of {args.save} does not exist")
+    run = _run_config(args, parser)
+    if args.peers == 1:
+        return run_single(args, run)
+    try:
+        import daisyweb.cli.peer  # noqa: F401
+    except ImportError:
+        parser.error("--peers above 1 needs the peer (daisyweb-peer), not available yet")
+    return run_group(args, run)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,110 @@
+import io
+import json
+
+import numpy as np
+import pytest
+
+from daisyweb import wire
+from daisyweb.averaging import GradientError
+from daisyweb.checkpoint import TokenizerInfo, load_checkpoint
+from daisyweb.model import ModelConfig
+from daisyweb.train import MetricsWriter, Progress, RunConfig, TrainState, train_local
+
+TINY = ModelConfig(vocab=40, width=16, layers=1, heads=2, seq=8)
+TOK = TokenizerInfo(40, "ab" * 32)
+
+
+def _run(steps: int = 20) -> RunConfig:
+    return RunConfig(model=TINY, batch=4, steps=steps, lr=1e-2, seed=3)
+
+
+def _fixed_batch(step: int) -> np.ndarray:
+    # One repeated batch: a model that learns must drive its loss down.
+    rng = np.random.default_rng(0)
+    return rng.integers(0, TINY.vocab, size=(4, TINY.seq + 1)).astype(np.int32)
+
+
+def test_run_config_round_trips_through_wire() -> None:
+    run = _run()
+    msg = wire.decode(wire.encode(run.to_wire()))
+    assert isinstance(msg, wire.Config)
+    assert RunConfig.from_wire(msg) == run
+
+
+@pytest.mark.parametrize("bad", [{"batch": 0}, {"steps": 0}, {"lr": -1.0}, {"seed": -1}])
+def test_run_config_refuses_bad_values(bad: dict) -> None:
+    kwargs = {"model": TINY, "batch": 4, "steps": 5, "lr": 1e-3, "seed": 0} | bad
+    with pytest.raises(ValueError, match="bad run config"):
+        RunConfig(**kwargs)
+
+
+def test_training_lowers_loss_and_writes_metrics(tmp_path) -> None:
+    state = TrainState.fresh(_run(30))
+    metrics_path = tmp_path / "m.jsonl"
+    save = tmp_path / "c.pt"
+    losses: list[float] = []
+    train_local(state, _fixed_batch, tokenizer=TOK, save=save, save_every=10,
+                metrics=MetricsWriter(metrics_path), on_step=lambda r: losses.append(r.loss))
+    assert state.step == 30
+    assert losses[-1] < 0.5 * losses[0]
+    lines = [json.loads(x) for x in metrics_path.read_text().splitlines()]
+    assert [x["step"] for x in lines[:-1]] == list(range(1, 31))
+    assert {"step", "loss", "weight_hash", "tokens_per_s"} <= set(lines[0])
+    assert lines[-1]["end"] == "done" and lines[-1]["weight_hash"] == state.weight_hash()
+    assert lines[-2]["weight_hash"] == state.weight_hash()
+    ckpt = load_checkpoint(save, expect_model=TINY, expect_tokenizer=TOK)
+    assert ckpt.step == 30 and ckpt.weight_hash == state.weight_hash()
+
+
+def test_resumed_state_continues_bit_identically(tmp_path) -> None:
+    straight = TrainState.fresh(_run(6))
+    train_local(straight, _fixed_batch, tokenizer=TOK)
+
+    first = TrainState.fresh(_run(3))
+    save = tmp_path / "half.pt"
+    train_local(first, _fixed_batch, tokenizer=TOK, save=save)
+    resumed = TrainState.from_checkpoint(load_checkpoint(save), run=_run(6))
+    assert resumed.step == 3
+    train_local(resumed, _fixed_batch, tokenizer=TOK)
+    assert resumed.weight_hash() == straight.weight_hash()
+
+
+def test_apply_refuses_bad_average_and_leaves_state_untouched() -> None:
+    state = TrainState.fresh(_run())
+    before = state.weight_hash()
+    bad = np.zeros(state.size, np.float32)
+    bad[7] = np.nan
+    with pytest.raises(GradientError, match="1 NaN/Inf"):
+        state.apply(bad)
+    with pytest.raises(GradientError, match="expected"):
+        state.apply(np.zeros(state.size - 1, np.float32))
+    assert state.weight_hash() == before and state.step == 0
+
+
+def test_failed_step_still_saves_last_committed_state(tmp_path) -> None:
+    state = TrainState.fresh(_run(10))
+    save = tmp_path / "c.pt"
+
+    def sample(step: int) -> np.ndarray:
+        if step == 4:
+            raise RuntimeError("data source vanished")
+        return _fixed_batch(step)
+
+    with pytest.raises(RuntimeError):
+        train_local(state, sample, tokenizer=TOK, save=save)
+    ckpt = load_checkpoint(save)
+    assert ckpt.step == 3 and ckpt.weight_hash == state.weight_hash()
+
+
+def test_progress_line_reports_rate_and_eta() -> None:
+    now = [100.0]
+    out = io.StringIO()
+    prog = Progress(10, stream=out, every=0.0, clock=lambda: now[0])
+    prog.start(0)
+    for step in (1, 2):
+        now[0] += 2.0
+        rate = prog.update(step, 3.25, tokens=500)
+    assert rate == pytest.approx(250.0)
+    last = out.getvalue().splitlines()[-1]
+    assert "step 2/10" in last and "loss 3.2500" in last and "250 tok/s" in last
+    assert "eta 16s" in last  # 8 steps left at 2 s per step
