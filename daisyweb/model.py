@@ -1,7 +1,29 @@
-"""GPT-style causal language model in numpy (config and parameter layout).
+"""GPT-style causal language model in numpy.
 
 The parameters live in one flat float32 buffer; ``param_layout`` fixes the order,
-names and shapes of the views, so a gradient or a weight hash is one contiguous array.
+names and shapes of the views, so a gradient or a weight hash is one contiguous array::
+
+    wte [vocab, width], wpe [seq, width],
+    per block i: h{i}.ln1.g/b [width], h{i}.attn.w_qkv [width, 3 width] (columns q|k|v,
+      head h at h*D..(h+1)*D inside each), h{i}.attn.b_qkv, h{i}.attn.w_out [width, width],
+      h{i}.attn.b_out, h{i}.ln2.g/b, h{i}.mlp.w_in [width, 4 width], h{i}.mlp.b_in,
+      h{i}.mlp.w_out [4 width, width], h{i}.mlp.b_out,
+    lnf.g/b [width], head.w [width, vocab]   (no bias, not tied to wte)
+
+Weights are stored input-major: a linear layer is ``y = x @ w + b``.
+
+Modes of ``forward`` / ``loss_and_grad`` / ``loss_only``:
+
+* default: float32; every linear layer's forward runs through ``kernels.int8_matmul``,
+  the backward is float32 BLAS with the straight-through estimator (the quantized
+  matmul is differentiated as ``x @ w``). Attention scores, softmax, LayerNorm, GELU
+  and the loss are plain float32 numpy.
+* ``quantized=False``: the same float32 computation with plain matmuls (the path the
+  PyTorch reference test compares against).
+* ``exact=True``: float64 throughout, no quantization (finite-difference reference).
+
+Replicas stay identical because every peer applies the same averaged gradient bytes,
+so the backward may use any float32 BLAS; ``init_params`` is bit-identical everywhere.
 """
 
 from __future__ import annotations
