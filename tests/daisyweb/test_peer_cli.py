@@ -107,3 +107,47 @@ def test_broken_kernel_switch_changes_the_probe() -> None:
 )
 def test_data_url(server: str, url: str) -> None:
     assert run.data_url(server) == url
+
+
+@pytest.mark.parametrize("content", [None, b"not a checkpoint", b"PK\x03\x04" + b"\x00" * 64])
+def test_bad_resume_file_is_refused_before_connecting(tmp_path, content: bytes | None) -> None:
+    path = tmp_path / "bad.pt"
+    if content is not None:
+        path.write_bytes(content)
+    # Port 9 (discard) has no server: the refusal must come before any connection.
+    p = subprocess.run([sys.executable, "-m", "daisyweb.cli.peer", *S, "--start",
+                        "--resume", str(path)], capture_output=True, text=True, timeout=60)
+    assert p.returncode == 2, p.stderr
+    lines = p.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("daisyweb-peer: --resume")
+    assert "Traceback" not in p.stderr
+
+
+def test_approve_ask_prompts_per_waiting_peer(monkeypatch: pytest.MonkeyPatch) -> None:
+    import asyncio
+
+    class Tty:
+        def isatty(self) -> bool:
+            return True
+
+    answers = iter(["y", "n", "YES"])
+    prompts: list[str] = []
+
+    def fake_input(prompt: str) -> str:
+        prompts.append(prompt)
+        return next(answers)
+
+    monkeypatch.setattr(sys, "stdin", Tty())
+    monkeypatch.setattr("builtins.input", fake_input)
+    opts = run.PeerOptions(server="http://127.0.0.1:9", approve="ask")
+    driver = run._Driver(opts, run.TestHooks(), None, None, None, None)
+    ask = driver._approve_callback()
+
+    async def decide() -> list[bool]:
+        return [await ask("id1", "alice"), await ask("id2", "bob"), await ask("id3", "")]
+
+    assert asyncio.run(decide()) == [True, False, True]
+    assert "alice" in prompts[0] and "bob" in prompts[1]
+    auto = run._Driver(run.PeerOptions(server="x", approve="auto"), run.TestHooks(), None,
+                       None, None, None)
+    assert auto._approve_callback() is None  # the mesh admits everyone with the code

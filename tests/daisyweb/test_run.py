@@ -1,0 +1,534 @@
+"""Integration: a real signaling server, real aiortc, separate peer processes on 127.0.0.1.
+
+Tiny model (width 16, 1 layer, seq 16, batch 2) and few steps, so the cost is process
+start-up and ICE, not training. Every peer dumps the gradients it computed
+(``DAISYWEB_TEST_DUMP_GRADS``) and writes ``--metrics``; the replay oracle re-runs each
+committed step from those gradients in the recorded roster and must reproduce every
+peer's per-step weight hash.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from daisyweb import mesh, run, wire
+from daisyweb.checkpoint import Checkpoint, load_checkpoint
+from daisyweb.model import init_params
+from daisyweb.replay import replay_hashes
+from daisyweb.train import RunConfig
+
+ROOT = Path(__file__).resolve().parents[2]
+MODEL = ["--width", "16", "--layers", "1", "--heads", "2", "--seq", "16", "--batch", "2",
+         "--lr", "0.01", "--seed", "3"]
+TIMEOUT = 120.0
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+@pytest.fixture(scope="module")
+def server() -> Iterator[str]:
+    port = _free_port()
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "signaling.cli", "--host", "127.0.0.1", "--port", str(port),
+         "--data", "builtin"],
+        cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    deadline = time.monotonic() + 30
+    while True:
+        try:
+            with socket.create_connection(("127.0.0.1", port), timeout=0.5):
+                break
+        except OSError:
+            if proc.poll() is not None or time.monotonic() > deadline:
+                proc.kill()
+                raise RuntimeError("signaling server did not start") from None
+            time.sleep(0.1)
+    yield f"http://127.0.0.1:{port}"
+    proc.terminate()
+    proc.wait(timeout=10)
+
+
+@dataclass
+class Peer:
+    name: str
+    proc: subprocess.Popen[str]
+    metrics: Path
+    log: Path
+
+    def id(self) -> str:
+        """The mesh id this peer printed when it joined."""
+        for line in self.log.read_text().splitlines():
+            if "joined as " in line:
+                return line.split("joined as ", 1)[1].split()[0]
+        raise AssertionError(f"{self.name} never joined:\n{self.log.read_text()}")
+
+    def records(self) -> list[dict]:
+        if not self.metrics.exists():
+            return []
+        return [json.loads(line) for line in self.metrics.read_text().splitlines() if line]
+
+    def steps(self) -> list[dict]:
+        """Per-step records, a rolled-back step replaced by its recommit."""
+        by_step: dict[int, dict] = {}
+        for r in self.records():
+            if "end" not in r:
+                by_step[r["step"]] = r
+        return [by_step[s] for s in sorted(by_step)]
+
+    def end(self) -> dict:
+        ends = [r for r in self.records() if "end" in r]
+        assert ends, f"{self.name} wrote no end record:\n{self.log.read_text()}"
+        return ends[-1]
+
+    def wait(self, timeout: float = TIMEOUT) -> int:
+        try:
+            return self.proc.wait(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            raise AssertionError(f"{self.name} hung:\n{self.log.read_text()}") from None
+
+
+@dataclass
+class Group:
+    server: str
+    tmp: Path
+    room: str
+    peers: list[Peer] = field(default_factory=list)
+
+    @property
+    def grads(self) -> Path:
+        d = self.tmp / "grads"
+        d.mkdir(exist_ok=True)
+        return d
+
+    def spawn(self, name: str, *args: str, env: dict[str, str] | None = None) -> Peer:
+        metrics = self.tmp / f"{name}.jsonl"
+        log = self.tmp / f"{name}.log"
+        cmd = [sys.executable, "-m", "daisyweb.cli.peer", "--server", self.server,
+               "--room", self.room, "--name", name, "--ice-host", "127.0.0.1",
+               "--approve", "auto", "--metrics", str(metrics), "--join-timeout", "60",
+               *args]
+        full_env = dict(os.environ, PYTHONUNBUFFERED="1",
+                        DAISYWEB_TEST_DUMP_GRADS=str(self.grads), **(env or {}))
+        with open(log, "w") as out:
+            proc = subprocess.Popen(cmd, cwd=ROOT, stdout=out, stderr=subprocess.STDOUT,
+                                    text=True, env=full_env)
+        p = Peer(name, proc, metrics, log)
+        self.peers.append(p)
+        return p
+
+    def leader(self, *args: str, env: dict[str, str] | None = None) -> Peer:
+        p = self.spawn("lead", "--start", *args, env=env)
+        # The room's first peer is its host: let it in before the others.
+        deadline = time.monotonic() + 30
+        while "joined as" not in p.log.read_text():
+            assert p.proc.poll() is None, p.log.read_text()
+            assert time.monotonic() < deadline, p.log.read_text()
+            time.sleep(0.05)
+        return p
+
+    def kill_all(self) -> None:
+        for p in self.peers:
+            if p.proc.poll() is None:
+                p.proc.kill()
+                p.proc.wait()
+
+    def logs(self) -> str:
+        return "\n".join(f"--- {p.name}\n{p.log.read_text()}" for p in self.peers)
+
+
+@pytest.fixture
+def group(server: str, tmp_path: Path, request: pytest.FixtureRequest) -> Iterator[Group]:
+    room = "t" + str(abs(hash(request.node.name)) % 10**10).zfill(10)
+    g = Group(server, tmp_path, room)
+    yield g
+    g.kill_all()
+
+
+def oracle(g: Group, peer: Peer, start: Checkpoint | None = None) -> list[str]:
+    """Replay ``peer``'s committed steps from the dumped gradients (from ``start``)."""
+    spec = []
+    for r in peer.steps():
+        s = r["step"] - 1  # the record's step counts committed updates
+        spec.append((r["roster"], {q: np.load(g.grads / f"{q}-{s}.npy") for q in r["roster"]}))
+    if start is not None:
+        return replay_hashes(start.params, RunConfig.from_checkpoint(start).adam(), spec,
+                             start.adam)
+    tiny = tiny_run()
+    return replay_hashes(init_params(tiny.model, tiny.seed), tiny.adam(), spec)
+
+
+def tiny_run() -> RunConfig:
+    from daisyweb.data import default_tokenizer
+    from daisyweb.model import ModelConfig
+
+    vocab = default_tokenizer().vocab_size
+    return RunConfig(model=ModelConfig(vocab=vocab, width=16, layers=1, heads=2, seq=16),
+                     batch=2, steps=1, lr=0.01, seed=3)
+
+
+def same_hashes(*peers: Peer) -> list[str]:
+    """Per-step weight hashes, asserted identical on every given peer."""
+    runs = [[(r["step"], r["weight_hash"]) for r in p.steps()] for p in peers]
+    for p, r in zip(peers[1:], runs[1:], strict=True):
+        common = dict(runs[0]).keys() & dict(r).keys()
+        assert common, f"{p.name} has no step in common with {peers[0].name}"
+        assert all(dict(runs[0])[s] == dict(r)[s] for s in common), p.name
+    return [h for _, h in runs[0]]
+
+
+# --------------------------------------------------------------- in-process driver
+# The same driver (run.run_peer) over an in-memory mesh with the Mesh interface: fast
+# checks of the driver's wiring (handshake, metrics, checkpoints) without ICE.
+
+
+class FakeHub:
+    def __init__(self) -> None:
+        self.meshes: dict[str, FakeMesh] = {}
+        self.all: list[FakeMesh] = []
+        self.ids = iter(f"{i:04x}" for i in range(1, 1000))
+
+
+class FakeMesh:
+    fault_drop = None
+
+    def __init__(self, hub: FakeHub, server: str, **kw: object) -> None:
+        self.hub = hub
+        self.kw = kw
+        self.self_id = ""
+        self.events: asyncio.Queue[object] = asyncio.Queue()
+        self.status: list[dict] = []
+        self.closed = False
+        hub.all.append(self)
+
+    async def start(self) -> None:
+        self.self_id = next(self.hub.ids)
+        for other in self.hub.meshes.values():
+            other.events.put_nowait(mesh.PeerUp(self.self_id))
+            self.events.put_nowait(mesh.PeerUp(other.self_id))
+        self.hub.meshes[self.self_id] = self
+
+    async def next_event(self) -> object:
+        return await self.events.get()
+
+    async def send(self, peer: str, message: wire.Message) -> None:
+        if self.fault_drop is not None and self.fault_drop(peer, message):
+            return
+        target = self.hub.meshes.get(peer)
+        if target is None:
+            raise mesh.MeshError(f"peer {peer} is not connected")
+        data = wire.encode(message)  # through the real codec and framing
+        r = wire.Reassembler()
+        out = [r.feed(f) for f in wire.frame(data, 1)][-1]
+        target.events.put_nowait(mesh.Received(self.self_id, wire.decode(out)))
+
+    async def report_status(self, **fields: object) -> None:
+        self.status.append(fields)
+
+    async def close(self) -> None:
+        if self.closed:
+            return
+        self.closed = True
+        self.hub.meshes.pop(self.self_id, None)
+        for other in self.hub.meshes.values():
+            other.events.put_nowait(mesh.PeerDown(self.self_id, "closed"))
+
+
+def _opts(tmp: Path, server: str, name: str, **kw: object) -> run.PeerOptions:
+    base: dict = dict(server=server, name=name, approve="auto",
+                      metrics=str(tmp / f"{name}.jsonl"), join_timeout=20.0,
+                      progress=False)
+    if kw.get("start"):
+        base.update(model={"width": 16, "layers": 1, "heads": 2, "seq": 16}, batch=2,
+                    lr=0.01, seed=3)
+    base.update(kw)
+    return run.PeerOptions(**base)
+
+
+def _records(path: Path) -> list[dict]:
+    return [json.loads(line) for line in path.read_text().splitlines()]
+
+
+async def _group(tmp: Path, server: str, n: int, steps: int,
+                 hooks: dict[str, run.TestHooks] | None = None,
+                 save: dict[str, str] | None = None,
+                 hub: FakeHub | None = None) -> list[int]:
+    hub = hub if hub is not None else FakeHub()
+    hooks = hooks or {}
+    save = save or {}
+
+    async def one(i: int) -> int:
+        name = f"p{i}"
+        extra: dict = {"start": True, "steps": steps, "wait_peers": n} if i == 0 else {}
+        if name in save:
+            extra["save"] = save[name]
+        await asyncio.sleep(0.05 * i)  # the leader first, like a room's host
+        try:
+            return await run.run_peer(
+                _opts(tmp, server, name, **extra), hooks=hooks.get(name, run.TestHooks(
+                    dump_grads=str(tmp))), mesh_factory=lambda *a, **k: FakeMesh(hub, *a, **k))
+        except run.PeerError as exc:
+            return exc.code
+
+    return list(await asyncio.wait_for(asyncio.gather(*(one(i) for i in range(n))), 60))
+
+
+def test_in_process_group_matches_replay(tmp_path: Path, server: str) -> None:
+    hub = FakeHub()
+    codes = asyncio.run(_group(tmp_path, server, 3, 4, hub=hub))
+    assert codes == [0, 0, 0]
+    for m in hub.all:  # dashboard status: every step, then the end state
+        assert {"step", "loss", "hash", "peers", "tokens_per_s", "probe"} <= set(m.status[0])
+        assert m.status[-1]["state"] == "done" and m.status[-1]["step"] == 4
+        assert len(m.status[-1]["hash"]) == 16
+    recs = [_records(tmp_path / f"p{i}.jsonl") for i in range(3)]
+    steps = [[r for r in rs if "end" not in r] for rs in recs]
+    assert all([r["step"] for r in s] == [1, 2, 3, 4] for s in steps)
+    hashes = {tuple(r["weight_hash"] for r in s) for s in steps}
+    assert len(hashes) == 1
+    spec = [(r["roster"], {q: np.load(tmp_path / f"{q}-{r['step'] - 1}.npy")
+                           for q in r["roster"]}) for r in steps[0]]
+    assert len(spec[0][0]) == 3
+    want = replay_hashes(init_params(tiny_run().model, 3), tiny_run().adam(), spec)
+    assert list(hashes.pop()) == want
+    assert all(rs[-1]["end"] == "done" for rs in recs)
+
+
+def test_in_process_nan_halts_with_a_valid_checkpoint(tmp_path: Path, server: str) -> None:
+    bad = run.TestHooks(corrupt_gradient=(1, "nan"))
+    saves = {f"p{i}": str(tmp_path / f"p{i}.pt") for i in range(3)}
+    codes = asyncio.run(_group(tmp_path, server, 3, 5, hooks={"p2": bad}, save=saves))
+    assert codes[:2] == [1, 1]
+    for i in range(2):
+        rs = _records(tmp_path / f"p{i}.jsonl")
+        assert "NaN" in rs[-1]["end"] and rs[-1]["step"] == 1
+        ck = load_checkpoint(saves[f"p{i}"])
+        assert ck.step == 1 and ck.weight_hash == rs[-2]["weight_hash"]
+
+
+# --------------------------------------------------------------------------- part 1
+
+
+def test_three_peers_train_with_identical_hashes_equal_to_replay(group: Group) -> None:
+    lead = group.leader(*MODEL, "--steps", "6", "--wait-peers", "3")
+    a = group.spawn("a")
+    b = group.spawn("b")
+    codes = [p.wait() for p in (lead, a, b)]
+    assert codes == [0, 0, 0], group.logs()
+    for p in (lead, a, b):
+        assert [r["step"] for r in p.steps()] == [1, 2, 3, 4, 5, 6]
+        assert all(len(r["roster"]) == 3 for r in p.steps())
+        assert p.end()["end"] == "done"
+        r = p.steps()[-1]
+        assert set(r) >= {"step", "loss", "weight_hash", "probe_hash", "roster",
+                          "tokens_per_s", "comm_s", "compute_s"}
+    hashes = same_hashes(lead, a, b)
+    assert hashes == oracle(group, lead)
+    assert lead.end()["weight_hash"] == hashes[-1]
+
+
+def test_broken_kernel_is_caught_by_the_probe_and_removed(group: Group) -> None:
+    lead = group.leader(*MODEL, "--steps", "4", "--wait-peers", "3")
+    a = group.spawn("a")
+    bad = group.spawn("bad", env={"DAISYWEB_TEST_BREAK_KERNEL": "1"})
+    assert bad.wait() == 1, group.logs()
+    assert "probe" in bad.end()["end"]
+    assert [lead.wait(), a.wait()] == [0, 0], group.logs()
+    assert not bad.steps()  # excluded before its first gradient
+    for p in (lead, a):
+        assert [len(r["roster"]) for r in p.steps()] == [2, 2, 2, 2]
+        assert len({r["probe_hash"] for r in p.steps()}) == 1
+    assert "excluded" in lead.log.read_text()
+    assert same_hashes(lead, a) == oracle(group, lead)
+
+
+def test_injected_weight_fork_halts_every_peer(group: Group) -> None:
+    lead = group.leader(*MODEL, "--steps", "6", "--wait-peers", "3")
+    a = group.spawn("a")
+    fork = group.spawn("fork", env={"DAISYWEB_TEST_FORK_AT": "2"})
+    codes = [p.wait() for p in (lead, a, fork)]
+    assert codes == [1, 1, 1], group.logs()
+    for p in (lead, a, fork):
+        end = p.end()
+        assert end["step"] == 2 and ("diverged" in end["end"] or "mismatch" in end["end"])
+        assert fork.id() in end["end"]  # every peer names who diverged
+
+
+@pytest.mark.parametrize("kind", ["nan", "short"])
+def test_bad_gradient_halts_with_a_valid_checkpoint(group: Group, kind: str) -> None:
+    lead = group.leader(*MODEL, "--steps", "6", "--wait-peers", "3",
+                        "--save", str(group.tmp / "lead.pt"))
+    a = group.spawn("a", "--save", str(group.tmp / "a.pt"))
+    bad = group.spawn("bad", env={"DAISYWEB_TEST_CORRUPT_GRADIENT": f"2:{kind}"})
+    assert [lead.wait(), a.wait()] == [1, 1], group.logs()
+    bad.wait()
+    for p, ck in ((lead, "lead.pt"), (a, "a.pt")):
+        end = p.end()
+        assert end["step"] == 2 and "refused at step 2" in end["end"]
+        assert ("NaN/Inf" if kind == "nan" else "expected") in end["end"]
+        c = load_checkpoint(group.tmp / ck)
+        # state untouched: the checkpoint is the last committed step
+        assert c.step == 2 and c.weight_hash == p.steps()[-1]["weight_hash"]
+    if kind == "nan":
+        # Part 2: the halted run's checkpoint restores a new group from its step.
+        start = load_checkpoint(group.tmp / "lead.pt")
+        g2 = Group(group.server, group.tmp, group.room + "r")
+        try:
+            lead2 = g2.spawn("lead2", "--start", "--resume", str(group.tmp / "lead.pt"),
+                             "--wait-peers", "2", "--steps", "99")
+            b2 = g2.spawn("b2")
+            assert [lead2.wait(), b2.wait()] == [0, 0], g2.logs()
+        finally:
+            g2.kill_all()
+        assert "checkpoint's config wins" in lead2.log.read_text()  # --steps 99 ignored
+        assert "from step 2" in b2.log.read_text()
+        assert start.weight_hash[:16] in b2.log.read_text()
+        for p in (lead2, b2):
+            assert [r["step"] for r in p.steps()] == [3, 4, 5, 6]
+        assert same_hashes(lead2, b2) == oracle(g2, lead2, start)
+
+
+# --------------------------------------------------------------------------- part 2
+
+SLOW = {"DAISYWEB_TEST_STEP_DELAY": "0.4"}  # room for a join or a kill mid-run
+
+
+def _wait_step(p: Peer, step: int, timeout: float = 60.0) -> None:
+    deadline = time.monotonic() + timeout
+    while not p.steps() or p.steps()[-1]["step"] < step:
+        assert p.proc.poll() is None, p.log.read_text()
+        assert time.monotonic() < deadline, p.log.read_text()
+        time.sleep(0.05)
+
+
+def test_dropped_gradient_is_repaired_bit_exact(group: Group) -> None:
+    lead = group.leader(*MODEL, "--steps", "4", "--wait-peers", "3")
+    a = group.spawn("a")
+    b = group.spawn("b", env={"DAISYWEB_TEST_DROP_GRADIENT": "1"})
+    assert [p.wait() for p in (lead, a, b)] == [0, 0, 0], group.logs()
+    assert "dropped gradient of step 1" in b.log.read_text()
+    for p in (lead, a, b):
+        assert all(len(r["roster"]) == 3 for r in p.steps())  # repaired, not amended
+    assert same_hashes(lead, a, b) == oracle(group, lead)
+
+
+def test_fourth_peer_joins_a_running_group(group: Group) -> None:
+    lead = group.leader(*MODEL, "--steps", "8", "--wait-peers", "3", env=SLOW)
+    a = group.spawn("a", env=SLOW)
+    b = group.spawn("b", env=SLOW)
+    _wait_step(lead, 2)
+    late = group.spawn("late", env=SLOW)
+    assert [p.wait() for p in (lead, a, b, late)] == [0, 0, 0, 0], group.logs()
+    first = late.steps()[0]["step"]
+    assert first > 2 and [r["step"] for r in late.steps()] == list(range(first, 9))
+    assert all(len(r["roster"]) == 4 for r in late.steps())  # contributes from its first step
+    assert late.id() in lead.steps()[-1]["roster"]
+    assert same_hashes(lead, a, b, late) == oracle(group, lead)
+
+
+def test_follower_sigkilled_mid_step_the_rest_finish(group: Group) -> None:
+    lead = group.leader(*MODEL, "--steps", "7", "--wait-peers", "3", env=SLOW)
+    a = group.spawn("a", env=SLOW)
+    victim = group.spawn("victim", "--save", str(group.tmp / "victim.pt"), "--save-every", "1",
+                         env=SLOW)
+    _wait_step(lead, 2)
+    victim.proc.send_signal(signal.SIGKILL)
+    assert [lead.wait(), a.wait()] == [0, 0], group.logs()
+    # --save-every wrote atomically: whatever the kill interrupted, the file is whole
+    saved = load_checkpoint(group.tmp / "victim.pt")
+    assert saved.step >= 1
+    assert saved.weight_hash == {r["step"]: r["weight_hash"] for r in lead.steps()}[saved.step]
+    rosters = [len(r["roster"]) for r in lead.steps()]
+    assert rosters[0] == 3 and rosters[-1] == 2
+    assert [r["step"] for r in lead.steps()] == list(range(1, 8))
+    assert same_hashes(lead, a) == oracle(group, lead)
+
+
+def test_leader_killed_mid_step_the_rest_finish(group: Group) -> None:
+    lead = group.leader(*MODEL, "--steps", "7", "--wait-peers", "3", env=SLOW)
+    a = group.spawn("a", env=SLOW)
+    b = group.spawn("b", env=SLOW)
+    _wait_step(a, 2)
+    lead.proc.send_signal(signal.SIGKILL)
+    assert [a.wait(), b.wait()] == [0, 0], group.logs()
+    for p in (a, b):
+        assert [r["step"] for r in p.steps()] == list(range(1, 8))  # no step lost
+        assert p.steps()[-1]["roster"] == p.steps()[-1]["roster"]
+    assert "leading now" in a.log.read_text() + b.log.read_text()
+    assert same_hashes(a, b) == oracle(group, a)
+
+
+# --------------------------------------------------------------------------- admission
+
+
+async def _join_against_host(server: str, room: str, *args: str) -> tuple[int, str]:
+    """A raw signaling client hosts ``room`` and never decides; a peer tries to join."""
+    import aiohttp
+
+    ws_url = server.replace("http://", "ws://") + "/ws"
+    async with aiohttp.ClientSession() as s, s.ws_connect(
+            ws_url, params={"room": room, "name": "host"}) as ws:
+        await ws.receive(timeout=10)
+        proc = await asyncio.create_subprocess_exec(
+            sys.executable, "-m", "daisyweb.cli.peer", "--server", server, "--room", room,
+            "--ice-host", "127.0.0.1", *args, cwd=ROOT,
+            stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE)
+        _, err = await asyncio.wait_for(proc.communicate(), 60)
+        return int(proc.returncode or 0), err.decode()
+
+
+def test_not_admitted_within_join_timeout_exits_non_zero(server: str) -> None:
+    code, err = asyncio.run(_join_against_host(server, "waitroom1", "--join-timeout", "1.5"))
+    assert code == 3
+    lines = [ln for ln in err.splitlines() if ln.strip()]
+    assert lines == [lines[-1]] and "not admitted" in lines[-1] and "Traceback" not in err
+
+
+def test_approve_ask_without_a_terminal_denies(server: str, tmp_path: Path) -> None:
+    g = Group(server, tmp_path, "askroom1")
+    try:
+        # --wait-peers 2 keeps the host (and so the room) waiting for the joiner
+        host = g.spawn("host", "--start", *MODEL, "--steps", "2", "--approve", "ask",
+                       "--wait-peers", "2")
+        deadline = time.monotonic() + 30
+        while "joined as" not in host.log.read_text():
+            assert time.monotonic() < deadline and host.proc.poll() is None
+            time.sleep(0.05)
+        cmd = [sys.executable, "-m", "daisyweb.cli.peer", "--server", server, "--room",
+               "askroom1", "--ice-host", "127.0.0.1", "--join-timeout", "20"]
+        p = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=60,
+                           stdin=subprocess.DEVNULL)
+        assert p.returncode == 3 and "denied" in p.stderr, p.stderr
+        assert "--approve ask needs a terminal" in host.log.read_text()
+    finally:
+        g.kill_all()
+
+
+def test_interrupt_ends_cleanly_with_a_checkpoint(group: Group) -> None:
+    lead = group.leader(*MODEL, "--steps", "5", "--wait-peers", "2", env=SLOW)
+    a = group.spawn("a", "--save", str(group.tmp / "a.pt"), env=SLOW)
+    _wait_step(a, 2)
+    a.proc.send_signal(signal.SIGINT)
+    assert a.wait() == 130, a.log.read_text()
+    assert a.end()["end"] == "interrupted" and "Traceback" not in a.log.read_text()
+    saved = load_checkpoint(group.tmp / "a.pt")
+    assert saved.step == a.end()["step"] and saved.weight_hash == a.end()["weight_hash"]
+    assert lead.wait() == 0, lead.log.read_text()  # the leader finishes on its own
+    assert [r["step"] for r in lead.steps()] == [1, 2, 3, 4, 5]
+    assert same_hashes(lead) == oracle(group, lead)
