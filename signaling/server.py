@@ -56,10 +56,12 @@ class Peer:
     errors: int = 0
     tokens: float = RATE_BURST
     stamp: float = field(default_factory=time.monotonic)
+    rate: float = RATE_PER_S  # token bucket: refill per second and capacity
+    burst: float = RATE_BURST
 
     def take_token(self) -> bool:
         now = time.monotonic()
-        self.tokens = min(RATE_BURST, self.tokens + (now - self.stamp) * RATE_PER_S)
+        self.tokens = min(self.burst, self.tokens + (now - self.stamp) * self.rate)
         self.stamp = now
         if self.tokens < 1.0:
             return False
@@ -134,9 +136,28 @@ class Registry:
         if group.host == peer.id:
             nxt = min(group.members.values(), key=lambda p: p.order, default=None)
             group.host = nxt.id if nxt else None
+        if not group.members:
+            group.status = None  # a later host (see promote_waiting) must not see old runs
         if not group.members and not group.waiting:
             self.groups.pop(group.id, None)
         return group
+
+
+async def promote_waiting(group: Group) -> None:
+    """A private room whose last member left, with peers still waiting: the longest-waiting
+    peer becomes an approved member and host, as if it had been first into a new room.
+
+    Otherwise the waiting peers would be stranded: nobody is left who could approve them.
+    The room is empty, so the new host learns nothing it could not by opening a new room.
+    """
+    if group.members or not group.waiting:
+        return
+    first = min(group.waiting.values(), key=lambda p: p.order)
+    del group.waiting[first.id]
+    first.approved = True
+    group.members[first.id] = first
+    group.host = first.id
+    await _send(first, {"type": "approved"})
 
 
 async def _send(peer: Peer, msg: dict[str, Any]) -> None:
@@ -206,7 +227,8 @@ async def ws_handler(request: web.Request) -> web.StreamResponse:
     )
     await ws.prepare(request)
     key = "room:" + room if room else "addr:" + client_address(request, app["trust_proxy"])
-    peer = Peer(reg.new_id(), name, ws)
+    rate, burst = app["rate"]
+    peer = Peer(reg.new_id(), name, ws, tokens=burst, rate=rate, burst=burst)
     group = reg.join(key, room is not None, peer)
     await _send(
         peer,
@@ -238,6 +260,7 @@ async def ws_handler(request: web.Request) -> web.StreamResponse:
     finally:
         left = reg.leave(peer)
         if left is not None and left.id in reg.groups:
+            await promote_waiting(left)
             await broadcast(left)
     return ws
 
@@ -436,17 +459,24 @@ def create_app(
     data_source: str = "builtin",
     hf_endpoint: str | None = None,
     fineweb: Any = None,
+    rate_per_s: float = RATE_PER_S,
+    rate_burst: float = RATE_BURST,
     **kw: Any,
 ) -> web.Application:
-    """``data_source="fineweb"``: /data reads FineWeb-Edu from ``hf_endpoint`` (default the
-    Hub's), falling back to the built-in corpus; ``fineweb`` injects a ready reader (tests).
+    """``heartbeat``: ping interval in seconds (None: no pings); ``rate_per_s``/``rate_burst``:
+    each connection's message token bucket. ``data_source="fineweb"``: /data reads
+    FineWeb-Edu from ``hf_endpoint`` (default the Hub's), falling back to the built-in
+    corpus; ``fineweb`` injects a ready reader (tests).
     """
     if data_source not in ("fineweb", "builtin"):
         raise ValueError(f"data_source must be 'fineweb' or 'builtin', not {data_source!r}")
+    if not (rate_per_s > 0 and rate_burst >= 1):
+        raise ValueError("rate_per_s must be > 0 and rate_burst >= 1")
     app = web.Application()
     app["registry"] = Registry()
     app["trust_proxy"] = trust_proxy
     app["heartbeat"] = heartbeat
+    app["rate"] = (float(rate_per_s), float(rate_burst))
     app["data_source"] = data_source
     app["data_options"] = kw
     if data_source == "fineweb" and fineweb is None:

@@ -1,0 +1,178 @@
+"""Waiting peers are never stranded when a host leaves; rate limit set through create_app."""
+
+from __future__ import annotations
+
+import asyncio
+
+import aiohttp
+import pytest
+from aiohttp import web
+
+from signaling.server import RATE_BURST, create_app
+
+
+class Srv:
+    def __init__(self, **kw) -> None:
+        self.app = create_app(**kw)
+        self.runner = web.AppRunner(self.app)
+
+    async def start(self) -> Srv:
+        await self.runner.setup()
+        site = web.TCPSite(self.runner, "127.0.0.1", 0)
+        await site.start()
+        self.url = f"http://127.0.0.1:{site._server.sockets[0].getsockname()[1]}"
+        self.session = aiohttp.ClientSession()
+        return self
+
+    async def stop(self) -> None:
+        await self.session.close()
+        await self.runner.cleanup()
+
+    async def ws(self, **query):
+        return await self.session.ws_connect(self.url + "/ws", params=query)
+
+
+@pytest.fixture
+async def srv():
+    s = await Srv().start()
+    yield s
+    await s.stop()
+
+
+async def recv(ws, kind: str, timeout: float = 2.0) -> dict:
+    while True:
+        msg = await asyncio.wait_for(ws.receive_json(), timeout)
+        if msg["type"] == kind:
+            return msg
+
+
+async def silent(ws, kinds: set[str], timeout: float = 0.3) -> None:
+    try:
+        while True:
+            msg = await asyncio.wait_for(ws.receive_json(), timeout)
+            assert msg["type"] not in kinds, msg
+    except (asyncio.TimeoutError, TypeError):
+        pass
+
+
+async def test_new_host_gets_the_waiting_list(srv):
+    host = await srv.ws(room="hand-over", name="h")
+    await recv(host, "welcome")
+    second = await srv.ws(room="hand-over", name="m")
+    w2 = await recv(second, "welcome")
+    await host.send_json({"type": "approve", "id": w2["id"]})
+    await recv(second, "approved")
+    knock = await srv.ws(room="hand-over", name="k")
+    wk = await recv(knock, "welcome")
+    assert wk["state"] == "waiting"
+    await host.close()
+    peers = await recv(second, "peers")
+    while peers["host"] != w2["id"]:  # rosters sent before the host left
+        peers = await recv(second, "peers")
+    assert [p["id"] for p in peers["peers"]] == [w2["id"]]  # the waiting peer stays unseen
+    waiting = await recv(second, "waiting")
+    assert waiting["peers"] == [{"id": wk["id"], "name": "k"}]
+    await second.send_json({"type": "approve", "id": wk["id"]})
+    await recv(knock, "approved")
+    await second.close()
+    await knock.close()
+
+
+async def test_last_member_leaving_makes_the_longest_waiting_peer_host(srv):
+    host = await srv.ws(room="strand-me", name="h")
+    await recv(host, "welcome")
+    await host.send_json({"type": "status", "step": 7, "loss": 2.5, "hash": "ab", "peers": 1})
+    first = await srv.ws(room="strand-me", name="first")
+    wf = await recv(first, "welcome")
+    later = await srv.ws(room="strand-me", name="later")
+    wl = await recv(later, "welcome")
+    assert wf["state"] == wl["state"] == "waiting"
+    await recv(host, "waiting")
+    await host.close()
+
+    await recv(first, "approved")
+    key = (await recv(first, "host_key"))["key"]  # the dashboard secret comes first
+    peers = await recv(first, "peers")
+    assert peers["host"] == wf["id"] and peers["peers"] == [{"id": wf["id"], "name": "first"}]
+    waiting = await recv(first, "waiting")
+    assert waiting["peers"] == [{"id": wl["id"], "name": "later"}]
+    # the later peer still waits: not approved and shown nothing
+    await silent(later, {"approved", "peers", "host_key"})
+    group = srv.app["registry"].groups[wf["group"]]
+    assert wl["id"] in group.waiting and group.host == wf["id"]
+
+    # the new host inherits nothing of the old run: no status, no history
+    async with srv.session.get(
+        f"{srv.url}/api/rooms/strand-me", params={"key": key}
+    ) as r:
+        info = await r.json()
+    assert info["status"] is None and info["reports"] == {} and info["history"] == {}
+    assert info["waiting_peers"] == [{"id": wl["id"], "name": "later"}]
+
+    await first.send_json({"type": "approve", "id": wl["id"]})
+    await recv(later, "approved")
+    assert (await recv(later, "peers"))["host"] == wf["id"]
+    await first.close()
+    await later.close()
+
+
+async def test_no_waiting_peer_means_the_room_goes_away(srv):
+    host = await srv.ws(room="lonely", name="h")
+    w = await recv(host, "welcome")
+    await host.close()
+    for _ in range(50):
+        if w["group"] not in srv.app["registry"].groups:
+            break
+        await asyncio.sleep(0.02)
+    assert srv.app["registry"].groups == {}
+
+
+async def _burst(srv: Srv, n: int, idle: float = 0.0) -> int:
+    """Send n status messages at once; count the rate_limited errors that come back.
+
+    An accepted status gets no reply, so replies are read until the socket goes quiet.
+    """
+    ws = await srv.ws(name="r")
+    await recv(ws, "welcome")
+    await asyncio.sleep(idle)
+    for i in range(n):
+        await ws.send_json({"type": "status", "step": i, "loss": 1.0, "hash": "a", "peers": 1})
+    limited = 0
+    try:
+        while True:
+            msg = await asyncio.wait_for(ws.receive_json(), 0.5)
+            if msg["type"] == "error":
+                assert msg["code"] == "rate_limited", msg
+                limited += 1
+    except asyncio.TimeoutError:
+        pass
+    await ws.close()
+    return limited
+
+
+async def test_rate_limit_is_configurable():
+    tight = await Srv(rate_per_s=0.5, rate_burst=3).start()
+    try:
+        assert await _burst(tight, 6) == 3  # burst 3: the first 3 pass, the rest refused
+    finally:
+        await tight.stop()
+
+
+async def test_idle_refill_stops_at_the_burst():
+    s = await Srv(rate_per_s=5, rate_burst=3).start()
+    try:
+        # 1 s idle would refill 5 tokens; the bucket holds 3, so 6 at once still overflow
+        assert await _burst(s, 6, idle=1.0) >= 2
+    finally:
+        await s.stop()
+
+
+async def test_default_rate_limit_allows_the_same_burst(srv):
+    assert RATE_BURST >= 10
+    assert await _burst(srv, 6) == 0
+
+
+@pytest.mark.parametrize("kw", [{"rate_per_s": 0}, {"rate_burst": 0.5}, {"rate_per_s": -1}])
+def test_bad_rate_refused(kw):
+    with pytest.raises(ValueError):
+        create_app(**kw)
