@@ -183,6 +183,9 @@ class FineWebReader:
                 log.debug("fineweb fetch still running after %.1f s; built-in for now",
                           self.wait)
                 return None
+            except Exception:  # a bug here must cost one response its source, not a 500
+                log.exception("fineweb fetch crashed; serving the built-in corpus")
+                return None
             if not ok and not self._pending:
                 self._note_down(f"no shard answered at {self.endpoint}")
                 return None

@@ -393,3 +393,16 @@ async def test_cli_app_reads_from_hf_endpoint(hub, shard_file):
     app = build_app(parse_args(["--hf-endpoint", hub.url]))  # default --data fineweb
     text, source = await _get(app)
     assert source == "fineweb" and all(d in docs for d in _docs_of(text))
+
+
+async def test_a_crashing_fetch_still_answers_builtin(hub, make_reader, monkeypatch, caplog):
+    reader = make_reader(hub.url, shards=1)
+
+    async def boom() -> bool:
+        raise RuntimeError("bug")
+
+    monkeypatch.setattr(reader, "_fill", boom)
+    caplog.set_level(logging.ERROR, logger="daisyweb.fineweb")
+    text, source = await _get(create_app(data_source="fineweb", fineweb=reader))
+    assert source == "builtin" and text.strip()
+    assert any("crashed" in r.getMessage() for r in caplog.records)
