@@ -100,6 +100,8 @@ def _free_port() -> int:
 
 def _pump(prefix: str, stream: IO[bytes], out: IO[str]) -> None:
     for raw in iter(stream.readline, b""):
+        if b"aiohttp.access" in raw:
+            continue  # one line per HTTP request drowns the training progress
         out.write(f"{prefix}{raw.decode(errors='replace')}")
         out.flush()
 
@@ -120,10 +122,11 @@ def _wait_http(port: int, proc: subprocess.Popen, timeout: float = 20.0) -> bool
 def peer_commands(args: argparse.Namespace, run: RunConfig, server: str,
                   room: str) -> list[list[str]]:
     """The ``daisyweb-peer`` command line of each demo peer (peer 0 leads and hosts)."""
+    # Every peer admits with --approve auto: hosting passes on if the host leaves.
     base = [sys.executable, "-m", "daisyweb.cli.peer", "--server", server, "--room", room,
-            "--ice-host", "127.0.0.1", "--join-timeout", "60"]
+            "--ice-host", "127.0.0.1", "--join-timeout", "60", "--approve", "auto"]
     leader = base + [
-        "--name", "peer-0", "--approve", "auto", "--start",
+        "--name", "peer-0", "--start", "--wait-peers", str(args.peers),
         "--width", str(run.model.width), "--layers", str(run.model.layers),
         "--heads", str(run.model.heads), "--seq", str(run.model.seq),
         "--batch", str(run.batch), "--steps", str(run.steps), "--lr", repr(run.lr),

@@ -42,3 +42,25 @@ def test_generate_refuses_missing_and_bad_files(tmp_path, capsys) -> None:
     bad.write_bytes(b"not a checkpoint")
     assert generate.main([str(bad)]) == 1
     assert "cannot use" in capsys.readouterr().err
+
+
+def test_demo_group_of_three_ends_with_one_weight_hash(tmp_path) -> None:
+    import re
+    import subprocess
+    import sys
+
+    metrics = tmp_path / "m.jsonl"
+    proc = subprocess.run(
+        [sys.executable, "-m", "daisyweb.cli.demo", "--peers", "3", "--steps", "3",
+         "--port", "0", "--metrics", str(metrics), *TINY],
+        capture_output=True, text=True, timeout=240, cwd=tmp_path)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert "dashboard http://127.0.0.1:" in proc.stdout
+    finals = re.findall(r"\[peer-(\d)\] daisyweb-peer: done at step 3, weight hash (\w+)",
+                        proc.stdout)
+    assert sorted(p for p, _ in finals) == ["0", "1", "2"]
+    assert len({h for _, h in finals}) == 1
+    records = [json.loads(x) for x in metrics.read_text().splitlines()]
+    assert [r["step"] for r in records[:-1]] == [1, 2, 3]
+    assert len(records[0]["roster"]) == 3
+    assert records[-2]["weight_hash"].startswith(finals[0][1])
