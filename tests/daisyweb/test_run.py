@@ -366,8 +366,11 @@ def test_injected_weight_fork_halts_every_peer(group: Group) -> None:
     assert codes == [1, 1, 1], group.logs()
     for p in (lead, a, fork):
         end = p.end()
-        assert end["step"] == 2 and ("diverged" in end["end"] or "mismatch" in end["end"])
+        # at the fork's boundary; a peer still finishing step 2 stops where it is
+        assert end["step"] in (1, 2) and "step 2" in end["end"]
+        assert "diverged" in end["end"] or "mismatch" in end["end"]
         assert fork.id() in end["end"]  # every peer names who diverged
+    assert 2 in (lead.end()["step"], a.end()["step"])
 
 
 @pytest.mark.parametrize("kind", ["nan", "short"])
