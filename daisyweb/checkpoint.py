@@ -57,7 +57,7 @@ import math
 import os
 import secrets
 from dataclasses import dataclass
-from typing import Any
+from typing import IO, Any
 
 import numpy as np
 
@@ -384,8 +384,13 @@ def checkpoint_from_tree(tree: Any, *, expect_model: ModelConfig | None = None,
         raise _err(f"weight hash mismatch: contents hash to {actual[:16]}..., the file "
                    f"records {stored_hash[:16]}...",
                    "the weights or optimizer state were altered or damaged; use another copy")
+    # The same dict as opt.state_dict(), but ``opt`` is ours alone, so its freshly
+    # validated arrays become the result instead of being copied once more.
+    adam = {"config": opt.config.to_dict(), "size": opt.size, "step": opt.step_count,
+            "beta1_power": opt.beta1_power, "beta2_power": opt.beta2_power,
+            "m": opt.m, "v": opt.v}
     return Checkpoint(model=model, tokenizer=tokenizer, step=step, params=params,
-                      adam=opt.state_dict(), weight_hash=actual, run=run)
+                      adam=adam, weight_hash=actual, run=run)
 
 
 # ---------------------------------------------------------------------------- bytes / files
@@ -415,11 +420,18 @@ def checkpoint_from_bytes(data: bytes, *, expect_model: ModelConfig | None = Non
         raise _err(f"checkpoint data must be bytes, got {type(data).__name__}",
                    "pass the file contents")
     data = bytes(data)
+    tree = _load_tree(io.BytesIO(data), len(data), max_bytes)
+    return checkpoint_from_tree(tree, expect_model=expect_model,
+                                expect_tokenizer=expect_tokenizer, expect_step=expect_step,
+                                expect_weight_hash=expect_weight_hash)
+
+
+def _load_tree(f: IO[bytes], size: int, max_bytes: int) -> Any:
     # A valid file's storages plus their rebuilt copies come to at most twice its size;
     # anything more is a crafted file trying to make us allocate.
-    budget = min(max_bytes, 2 * len(data))
+    budget = min(max_bytes, 2 * size)
     try:
-        tree = load_pt(io.BytesIO(data), max_bytes=budget)
+        return load_pt(f, max_bytes=budget)
     except PtFormatError as exc:
         if str(exc).startswith("refusing global"):
             raise _err(f"not a safe checkpoint: {exc} (a checkpoint never needs it; it "
@@ -429,9 +441,6 @@ def checkpoint_from_bytes(data: bytes, *, expect_model: ModelConfig | None = Non
         raise _err(f"not a readable checkpoint: {exc}",
                    "the file is damaged, truncated or not a .pt checkpoint; use another "
                    "copy") from None
-    return checkpoint_from_tree(tree, expect_model=expect_model,
-                                expect_tokenizer=expect_tokenizer, expect_step=expect_step,
-                                expect_weight_hash=expect_weight_hash)
 
 
 def _write_all(fd: int, data: bytes) -> None:
@@ -496,18 +505,20 @@ def load_checkpoint(path: str | os.PathLike[str], *, expect_model: ModelConfig |
     """Read and fully validate the checkpoint at ``path`` (see :func:`checkpoint_from_bytes`)."""
     name = os.fspath(path)
     try:
+        # Read through the open file rather than into one big bytes object: one copy less
+        # of the whole checkpoint at peak.
         with open(name, "rb") as f:
-            data = f.read(max_bytes + 1)
+            size = os.fstat(f.fileno()).st_size
+            if size > max_bytes:
+                raise _err(f"checkpoint {name} is larger than {max_bytes} bytes",
+                           "this is not a daisyweb checkpoint, or raise max_bytes")
+            tree = _load_tree(f, size, max_bytes)
+        return checkpoint_from_tree(tree, expect_model=expect_model,
+                                    expect_tokenizer=expect_tokenizer, expect_step=expect_step,
+                                    expect_weight_hash=expect_weight_hash)
     except OSError as exc:
         raise _err(f"cannot read checkpoint {name}: {exc.strerror or exc}",
                    "check the path") from None
-    if len(data) > max_bytes:
-        raise _err(f"checkpoint {name} is larger than {max_bytes} bytes",
-                   "this is not a daisyweb checkpoint or raise max_bytes")
-    try:
-        return checkpoint_from_bytes(data, expect_model=expect_model,
-                                     expect_tokenizer=expect_tokenizer, expect_step=expect_step,
-                                     expect_weight_hash=expect_weight_hash, max_bytes=max_bytes)
     except CheckpointError as exc:
         raise CheckpointError(f"{name}: {exc}") from None
 
