@@ -151,3 +151,11 @@ def test_approve_ask_prompts_per_waiting_peer(monkeypatch: pytest.MonkeyPatch) -
     auto = run._Driver(run.PeerOptions(server="x", approve="auto"), run.TestHooks(), None,
                        None, None, None)
     assert auto._approve_callback() is None  # the mesh admits everyone with the code
+
+
+def test_save_into_a_missing_directory_is_refused_before_connecting(tmp_path) -> None:
+    target = tmp_path / "no" / "such" / "x.pt"
+    p = subprocess.run([sys.executable, "-m", "daisyweb.cli.peer", *S, "--save", str(target)],
+                       capture_output=True, text=True, timeout=60)
+    assert p.returncode == 2 and "--save: directory" in p.stderr
+    assert len(p.stderr.strip().splitlines()) == 1
