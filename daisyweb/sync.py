@@ -237,6 +237,7 @@ class StepMachine:
         self._own_hashes: dict[int, tuple[str, str]] = {}
         self._losses: dict[int, float] = {}
         self._last_roster: tuple[str, ...] = tuple(self.participants)
+        self._had_roster = False  # a follower knows the group's order only from a roster
         self._rosters_seen: dict[tuple[str, int], tuple[str, ...]] = {}  # (from, step)
         self._committed: dict[int, tuple[str, ...]] = {}  # step -> roster used
         self._backup: tuple[int, Any] | None = None  # (boundary, replica.backup())
@@ -322,6 +323,12 @@ class StepMachine:
         self._offered.pop(peer, None)
         if peer in self.participants:
             self.participants.remove(peer)
+        if peer == self.leader and not self._had_roster:
+            # No roster yet, so no agreed order to pick a successor from: every
+            # follower would pick itself (split brain). Stop instead; nothing is lost.
+            self._stop(out, self.boundary, f"the leader {peer} left before the first roster",
+                       broadcast=False)
+            return out
         if peer == self.leader:
             roster = self.roster(self.boundary) or self._last_roster
             new = successor(roster, peer, self._alive)
@@ -458,6 +465,7 @@ class StepMachine:
             if p not in self.participants:
                 self.participants.append(p)
         self._last_roster = members
+        self._had_roster = True
         if step == b - 1 and self._committed.get(step) not in (None, members):
             self._rollback(out, step, members, now)
             return
@@ -481,6 +489,7 @@ class StepMachine:
             st.grads = {p: g for p, g in st.grads.items() if p in members}
         st.roster = members
         self._last_roster = members
+        self._had_roster = True
         # Gradients received before the roster from non-members are dropped now.
         st.grads = {p: g for p, g in st.grads.items() if p in members}
         if self.self_id in members and self.self_id not in st.grads and not st.computing:

@@ -623,3 +623,15 @@ def test_joiner_that_never_confirms_is_dropped_after_the_timeout() -> None:
     bus.advance(6.0)
     assert any(e.peer == "ghost" for e in bus.excluded)  # ...but not for ever
     assert set(bus.finished) == {"a", "b"}
+
+
+def test_leader_lost_before_the_first_roster_stops_followers_without_split_brain() -> None:
+    bus = Bus(["a", "b", "c"], steps=3)
+    for p in "bc":
+        bus.handle(p, bus.machines[p].start(bus.now))  # a never names a roster
+    bus.run()
+    bus.kill("a")
+    bus.run()
+    assert set(bus.stopped) == {"b", "c"}
+    assert all("before the first roster" in bus.stopped[p].reason for p in "bc")
+    assert not any(bus.machines[p].is_leader for p in "bc")
