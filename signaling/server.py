@@ -143,6 +143,16 @@ class Registry:
         return group
 
 
+
+# Typed application keys (aiohttp warns on plain string keys).
+REGISTRY: web.AppKey[Registry] = web.AppKey("registry", Registry)
+TRUST_PROXY = web.AppKey("trust_proxy", bool)
+HEARTBEAT = web.AppKey("heartbeat", object)  # float seconds or None
+RATE = web.AppKey("rate", tuple)
+DATA_SOURCE = web.AppKey("data_source", str)
+DATA_OPTIONS = web.AppKey("data_options", dict)
+FINEWEB = web.AppKey("fineweb", object)  # FineWebReader or None
+
 async def promote_waiting(group: Group) -> None:
     """A private room whose last member left, with peers still waiting: the longest-waiting
     peer becomes an approved member and host, as if it had been first into a new room.
@@ -217,17 +227,17 @@ def client_address(request: web.Request, trust_proxy: bool) -> str:
 
 async def ws_handler(request: web.Request) -> web.StreamResponse:
     app = request.app
-    reg: Registry = app["registry"]
+    reg: Registry = app[REGISTRY]
     room = request.query.get("room")
     if room is not None and not protocol.valid_room(room):
         raise web.HTTPBadRequest(text="room code must be 4-64 letters, digits, - or _")
     name = request.query.get("name", "")[:64] or "peer"
     ws = web.WebSocketResponse(
-        heartbeat=app["heartbeat"], max_msg_size=protocol.MAX_MESSAGE_BYTES * 2
+        heartbeat=app[HEARTBEAT], max_msg_size=protocol.MAX_MESSAGE_BYTES * 2
     )
     await ws.prepare(request)
-    key = "room:" + room if room else "addr:" + client_address(request, app["trust_proxy"])
-    rate, burst = app["rate"]
+    key = "room:" + room if room else "addr:" + client_address(request, app[TRUST_PROXY])
+    rate, burst = app[RATE]
     peer = Peer(reg.new_id(), name, ws, tokens=burst, rate=rate, burst=burst)
     group = reg.join(key, room is not None, peer)
     await _send(
@@ -307,7 +317,7 @@ async def handle(reg: Registry, peer: Peer, group: Group, msg: dict[str, Any]) -
 
 
 async def healthz(request: web.Request) -> web.Response:
-    reg: Registry = request.app["registry"]
+    reg: Registry = request.app[REGISTRY]
     return web.json_response({"ok": True, "groups": len(reg.groups), "peers": len(reg.peers)})
 
 
@@ -338,7 +348,7 @@ def _no_store(resp: web.Response) -> web.Response:
 
 
 async def list_groups(request: web.Request) -> web.Response:
-    reg: Registry = request.app["registry"]
+    reg: Registry = request.app[REGISTRY]
     groups = [
         {"id": g.id, "members": len(g.members), "status": g.status}
         for g in reg.groups.values()
@@ -348,7 +358,7 @@ async def list_groups(request: web.Request) -> web.Response:
 
 
 async def group_detail(request: web.Request) -> web.Response:
-    reg: Registry = request.app["registry"]
+    reg: Registry = request.app[REGISTRY]
     group = reg.groups.get(request.match_info["gid"])
     if group is None:
         raise web.HTTPNotFound(text="no such group")
@@ -362,7 +372,7 @@ def _room(request: web.Request) -> Group | None:
     code = request.match_info["code"]
     if not protocol.valid_room(code):
         return None
-    group = request.app["registry"].groups.get(group_id_for("room:" + code))
+    group = request.app[REGISTRY].groups.get(group_id_for("room:" + code))
     return group if group is not None and group.private else None
 
 
@@ -410,7 +420,7 @@ async def decide(request: web.Request) -> web.Response:
 
 async def data_slice(app: web.Application) -> tuple[str, str]:
     """(text, source) for /data: a FineWeb-Edu slice, else the built-in corpus."""
-    reader = app.get("fineweb")
+    reader = app.get(FINEWEB)
     if reader is not None:
         piece = await reader.next_slice()
         if piece is not None:
@@ -426,7 +436,7 @@ async def data(request: web.Request) -> web.Response:
 
 
 async def _close_fineweb(app: web.Application) -> None:
-    reader = app.get("fineweb")
+    reader = app.get(FINEWEB)
     if reader is not None:
         await reader.close()
 
@@ -448,7 +458,7 @@ async def index(request: web.Request) -> web.StreamResponse:
 
 
 async def _close_all(app: web.Application) -> None:
-    reg: Registry = app["registry"]
+    reg: Registry = app[REGISTRY]
     for peer, _ in list(reg.peers.values()):
         await peer.ws.close(code=1001, message=b"server shutdown")
 
@@ -473,17 +483,17 @@ def create_app(
     if not (rate_per_s > 0 and rate_burst >= 1):
         raise ValueError("rate_per_s must be > 0 and rate_burst >= 1")
     app = web.Application()
-    app["registry"] = Registry()
-    app["trust_proxy"] = trust_proxy
-    app["heartbeat"] = heartbeat
-    app["rate"] = (float(rate_per_s), float(rate_burst))
-    app["data_source"] = data_source
-    app["data_options"] = kw
+    app[REGISTRY] = Registry()
+    app[TRUST_PROXY] = trust_proxy
+    app[HEARTBEAT] = heartbeat
+    app[RATE] = (float(rate_per_s), float(rate_burst))
+    app[DATA_SOURCE] = data_source
+    app[DATA_OPTIONS] = kw
     if data_source == "fineweb" and fineweb is None:
         from .fineweb import FineWebReader  # pyarrow/fsspec only when FineWeb is wanted
 
         fineweb = FineWebReader(hf_endpoint)
-    app["fineweb"] = fineweb if data_source == "fineweb" else None
+    app[FINEWEB] = fineweb if data_source == "fineweb" else None
     app.on_cleanup.append(_close_fineweb)
     app.router.add_get("/ws", ws_handler)
     app.router.add_get("/healthz", healthz)

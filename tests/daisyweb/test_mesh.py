@@ -24,7 +24,7 @@ from daisyweb.mesh import (
     PeerUp,
     Received,
 )
-from signaling.server import create_app
+from signaling.server import REGISTRY, create_app
 
 # aiortc's SCTP waits at least 1 s (its minimum RTO) to resend a lost packet, and a
 # loaded loop does drop loopback UDP during big transfers: timeouts stay above that.
@@ -427,10 +427,10 @@ async def test_report_status_reaches_server_and_is_coalesced(srv):
     for step in range(60):  # faster than the server's 50 msg/s limit
         await m.report_status(step=step, loss=1.0 / (step + 1), hash="ab", peers=0)
     await asyncio.sleep(meshmod.STATUS_MIN_INTERVAL * 3)
-    group = srv.app["registry"].groups[m.group]
+    group = srv.app[REGISTRY].groups[m.group]
     assert group.reports[m.self_id]["step"] == 59  # the latest always arrives
     assert len(group.history[m.self_id]) < 10
-    assert srv.app["registry"].peers[m.self_id][0].errors == 0  # never rate limited
+    assert srv.app[REGISTRY].peers[m.self_id][0].errors == 0  # never rate limited
 
 
 async def test_unknown_signaling_type_ignored(srv):

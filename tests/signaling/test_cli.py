@@ -1,6 +1,7 @@
 import pytest
 
 from signaling.cli import main
+from signaling.server import FINEWEB
 
 
 @pytest.mark.parametrize(
@@ -32,7 +33,7 @@ def test_default_data_is_fineweb_against_the_hub(monkeypatch):
     monkeypatch.delenv("HF_ENDPOINT", raising=False)
     args = parse_args([])
     assert args.data == "fineweb" and args.hf_endpoint is None
-    reader = build_app(args)["fineweb"]
+    reader = build_app(args)[FINEWEB]
     assert isinstance(reader, FineWebReader)  # built, but nothing fetched until /data
     assert reader.endpoint == "https://huggingface.co" and reader.fetches == 0
     assert reader.shards[0].url.startswith("https://huggingface.co/datasets/HuggingFaceFW/")
@@ -43,8 +44,8 @@ def test_hf_endpoint_flag_and_builtin(monkeypatch):
 
     monkeypatch.setenv("HF_ENDPOINT", "http://127.0.0.1:1")
     app = build_app(parse_args(["--hf-endpoint", "http://127.0.0.1:9/mirror/"]))
-    assert app["fineweb"].endpoint == "http://127.0.0.1:9/mirror"  # the flag wins over env
-    assert app["fineweb"].shards[1].url == (
+    assert app[FINEWEB].endpoint == "http://127.0.0.1:9/mirror"  # the flag wins over env
+    assert app[FINEWEB].shards[1].url == (
         "http://127.0.0.1:9/mirror/datasets/HuggingFaceFW/fineweb-edu/resolve/main/"
         "sample/10BT/001_00000.parquet")
-    assert build_app(parse_args(["--data", "builtin"]))["fineweb"] is None
+    assert build_app(parse_args(["--data", "builtin"]))[FINEWEB] is None

@@ -15,7 +15,7 @@ import pytest
 from aiohttp import web
 
 from signaling import protocol, server
-from signaling.server import create_app
+from signaling.server import REGISTRY, create_app
 
 
 class Server:
@@ -46,7 +46,7 @@ class Server:
 
     @property
     def reg(self) -> server.Registry:
-        return self.app["registry"]
+        return self.app[REGISTRY]
 
     async def decide(self, code: str, body: object) -> int:
         async with self.session.post(self.url + f"/api/rooms/{code}/decide", json=body) as r:

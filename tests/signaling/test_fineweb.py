@@ -23,7 +23,7 @@ from signaling.fineweb import (
     resolve_endpoint,
     shard_url,
 )
-from signaling.server import create_app
+from signaling.server import FINEWEB, create_app
 
 ROW_GROUPS = 8
 ROWS = 40
@@ -378,7 +378,7 @@ async def test_hf_hub_offline_env_serves_builtin(localhost_only, monkeypatch, ma
 
 async def test_builtin_source_never_builds_a_reader():
     app = create_app(data_source="builtin")
-    assert app["fineweb"] is None
+    assert app[FINEWEB] is None
     text, source = await _get(app)
     assert source == "builtin" and text.strip()
     with pytest.raises(ValueError):

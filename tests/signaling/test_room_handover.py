@@ -8,7 +8,7 @@ import aiohttp
 import pytest
 from aiohttp import web
 
-from signaling.server import RATE_BURST, create_app
+from signaling.server import RATE_BURST, REGISTRY, create_app
 
 
 class Srv:
@@ -98,7 +98,7 @@ async def test_last_member_leaving_makes_the_longest_waiting_peer_host(srv):
     assert waiting["peers"] == [{"id": wl["id"], "name": "later"}]
     # the later peer still waits: not approved and shown nothing
     await silent(later, {"approved", "peers", "host_key"})
-    group = srv.app["registry"].groups[wf["group"]]
+    group = srv.app[REGISTRY].groups[wf["group"]]
     assert wl["id"] in group.waiting and group.host == wf["id"]
 
     # the new host inherits nothing of the old run: no status, no history
@@ -121,10 +121,10 @@ async def test_no_waiting_peer_means_the_room_goes_away(srv):
     w = await recv(host, "welcome")
     await host.close()
     for _ in range(50):
-        if w["group"] not in srv.app["registry"].groups:
+        if w["group"] not in srv.app[REGISTRY].groups:
             break
         await asyncio.sleep(0.02)
-    assert srv.app["registry"].groups == {}
+    assert srv.app[REGISTRY].groups == {}
 
 
 async def _burst(srv: Srv, n: int, idle: float = 0.0) -> int:

@@ -6,7 +6,7 @@ import pytest
 from aiohttp import web
 
 from signaling import protocol
-from signaling.server import create_app
+from signaling.server import REGISTRY, create_app
 
 
 class Server:
@@ -33,7 +33,7 @@ class Server:
 
     @property
     def reg(self):
-        return self.app["registry"]
+        return self.app[REGISTRY]
 
 
 @pytest.fixture
