@@ -460,7 +460,7 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--quick", action="store_true", help="small smoke run; writes nothing")
     ap.add_argument("--size-mib", type=float, default=4.0, help="payload per message")
     ap.add_argument("--count", type=int, default=4, help="messages per round")
-    ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--rounds", type=int, default=5)
     args = ap.parse_args(argv)
     if args.quick:
         cfg = Config(size=2**20, count=1, rounds=1, profile=True)
