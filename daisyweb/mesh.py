@@ -487,8 +487,9 @@ class Mesh:
                     continue
                 try:
                     await self._on_signaling(msg)
-                except (KeyError, TypeError, ValueError) as e:
-                    log.warning("bad %r message from signaling: %s", msg.get("type"), e)
+                except (KeyError, TypeError, ValueError, MeshError) as e:
+                    # One bad or unanswerable message must not stop the reader.
+                    log.warning("%r message from signaling failed: %s", msg.get("type"), e)
         except asyncio.CancelledError:
             raise
         except Exception as e:  # a broken socket must not kill the mesh's links
@@ -693,6 +694,9 @@ class Mesh:
             except MeshError as e:
                 log.warning("cannot signal %s: %s", peer, e)
                 self._drop(link, "signaling failed")
+            except Exception as e:  # aiortc refusing an offer: retry, never kill the dialer
+                log.warning("offer to %s failed: %r", peer, e)
+                self._drop(link, "offer failed")
             else:
                 backoff = RECONNECT_BACKOFF[0]
                 await link.died.wait()
