@@ -360,8 +360,14 @@ class _Driver:
             label = " ".join(str(w) for w in who if w)
             prompt = f"daisyweb-peer: admit {label or 'a waiting peer'}? [y/N] "
             if not sys.stdin or not sys.stdin.isatty():
-                _log(f"refusing {label}: --approve ask needs a terminal")
-                return False
+                link = getattr(self.mesh, "host_link", lambda: None)()
+                if link is None:
+                    _log(f"refusing {label}: --approve ask needs a terminal or the dashboard")
+                    return False
+                # No terminal: the dashboard decides; the mesh cancels this wait when
+                # the decision arrives.
+                _log(f"{label} is waiting: accept or deny on the dashboard")
+                await asyncio.Event().wait()
             answer = await asyncio.get_running_loop().run_in_executor(None, input, prompt)
             return answer.strip().lower() in ("y", "yes")
 
@@ -389,6 +395,7 @@ class _Driver:
                  + (f" in room {self.opts.room}" if self.opts.room else ""))
             self.tasks.append(asyncio.create_task(self._pump_mesh()))
             self.tasks.append(asyncio.create_task(self._ticker()))
+            self.tasks.append(asyncio.create_task(self._announce_host_link()))
             if self.opts.start:
                 await self._start_leader()
             else:
@@ -416,6 +423,16 @@ class _Driver:
         while True:
             ev = await self.mesh.next_event()
             await self.queue.put(("mesh", ev))
+
+    async def _announce_host_link(self) -> None:
+        """Print the dashboard approval link whenever this peer gets (new) hosting."""
+        shown = None
+        while True:
+            link = getattr(self.mesh, "host_link", lambda: None)()
+            if link is not None and link != shown:
+                shown = link
+                _log(f"hosting this room; dashboard with Accept/Deny (keep it private): {link}")
+            await asyncio.sleep(0.5)
 
     async def _ticker(self) -> None:
         while True:

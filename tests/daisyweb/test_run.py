@@ -128,7 +128,7 @@ class Group:
                         DAISYWEB_TEST_DUMP_GRADS=str(self.grads), **(env or {}))
         with open(log, "w") as out:
             proc = subprocess.Popen(cmd, cwd=ROOT, stdout=out, stderr=subprocess.STDOUT,
-                                    text=True, env=full_env)
+                                    stdin=subprocess.DEVNULL, text=True, env=full_env)
         p = Peer(name, proc, metrics, log)
         self.peers.append(p)
         return p
@@ -503,22 +503,62 @@ def test_not_admitted_within_join_timeout_exits_non_zero(server: str) -> None:
     assert lines == [lines[-1]] and "not admitted" in lines[-1] and "Traceback" not in err
 
 
-def test_approve_ask_without_a_terminal_denies(server: str, tmp_path: Path) -> None:
-    g = Group(server, tmp_path, "askroom1")
+def _decide_on_dashboard(link: str, approve: bool, timeout: float = 30) -> None:
+    """Act as the host's browser: find the waiting peer, then POST the decision."""
+    import re
+    import urllib.request
+    from urllib.parse import parse_qs, urlsplit
+
+    parts = urlsplit(link)
+    room, key = parse_qs(parts.query)["room"][0], parse_qs(parts.query)["key"][0]
+    base = f"{parts.scheme}://{parts.netloc}/api/rooms/{room}"
+    deadline = time.monotonic() + timeout
+    while True:
+        with urllib.request.urlopen(f"{base}?key={key}", timeout=5) as resp:
+            waiting = json.loads(resp.read()).get("waiting_peers") or []
+        if waiting:
+            break
+        assert time.monotonic() < deadline, "no waiting peer showed up"
+        time.sleep(0.1)
+    body = json.dumps({"key": key, "id": waiting[0]["id"], "approve": approve}).encode()
+    req = urllib.request.Request(f"{base}/decide", data=body, method="POST",
+                                 headers={"Content-Type": "application/json"})
+    with urllib.request.urlopen(req, timeout=5) as resp:
+        assert resp.status == 200
+    assert re.fullmatch(r"[A-Za-z0-9_-]{16,}", key)
+
+
+@pytest.mark.parametrize("approve", [False, True])
+def test_approve_ask_without_a_terminal_waits_for_the_dashboard(
+        server: str, tmp_path: Path, approve: bool) -> None:
+    room = f"askroom{int(approve)}"
+    g = Group(server, tmp_path, room)
     try:
         # --wait-peers 2 keeps the host (and so the room) waiting for the joiner
         host = g.spawn("host", "--start", *MODEL, "--steps", "2", "--approve", "ask",
                        "--wait-peers", "2")
         deadline = time.monotonic() + 30
-        while "joined as" not in host.log.read_text():
+        while "dashboard with Accept/Deny" not in host.log.read_text():
             assert time.monotonic() < deadline and host.proc.poll() is None
             time.sleep(0.05)
+        link = host.log.read_text().split("(keep it private): ")[1].split()[0]
         cmd = [sys.executable, "-m", "daisyweb.cli.peer", "--server", server, "--room",
-               "askroom1", "--ice-host", "127.0.0.1", "--join-timeout", "20"]
-        p = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=60,
-                           stdin=subprocess.DEVNULL)
-        assert p.returncode == 3 and "denied" in p.stderr, p.stderr
-        assert "--approve ask needs a terminal" in host.log.read_text()
+               room, "--ice-host", "127.0.0.1", "--join-timeout", "40"]
+        joiner = subprocess.Popen(cmd, cwd=ROOT, stdin=subprocess.DEVNULL,
+                                  stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        try:
+            _decide_on_dashboard(link, approve)
+            _, err = joiner.communicate(timeout=60)
+        finally:
+            if joiner.poll() is None:
+                joiner.kill()
+        if approve:
+            assert joiner.returncode == 0, err
+            assert host.proc.wait(timeout=60) == 0
+            assert "done at step 2" in err
+        else:
+            assert joiner.returncode == 3 and "denied" in err, err
+        assert "accept or deny on the dashboard" in host.log.read_text()
     finally:
         g.kill_all()
 
