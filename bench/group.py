@@ -66,9 +66,10 @@ def main() -> None:
         *rows,
         "",
         "Every step each peer sends its full float32 gradient to every other member over "
-        "an aiortc data channel (about 6-10 MB/s between two processes here, see the mesh "
-        "section), so the bytes each peer sends grow with N-1. aiortc's SCTP and DTLS run "
-        "in Python on the CPU, so here, with N processes on 2 cores, both communication "
+        "an aiortc data channel (11-26 MB/s between two idle processes here, "
+        "depending on load: see the mesh section), so the bytes each peer sends grow "
+        "with N-1. aiortc's SCTP and DTLS run in Python on the CPU, so here, with N "
+        "processes on 2 cores, both communication "
         "and compute slow down as N grows; a single process (bench:step) is faster than "
         "any loopback group. On separate machines compute runs in parallel and the data "
         "channel's throughput is the limit.",
