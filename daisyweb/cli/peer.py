@@ -27,7 +27,8 @@ __all__ = ["build_parser", "parse_args", "main"]
 PROG = "daisyweb-peer"
 _ROOM_RE = re.compile(r"^[A-Za-z0-9_-]{4,64}$")  # the signaling server's rule
 _MODEL_FLAGS = ("width", "layers", "heads", "seq", "batch", "steps", "lr", "seed")
-DEFAULTS = {"width": 64, "layers": 2, "heads": 4, "seq": 64, "batch": 8, "steps": 200,
+# The same run as daisyweb-demo's defaults (the model's own defaults, sized for an old laptop).
+DEFAULTS = {"width": 128, "layers": 4, "heads": 4, "seq": 64, "batch": 8, "steps": 300,
             "lr": 3e-3, "seed": 0}
 
 
