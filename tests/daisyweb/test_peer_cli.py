@@ -55,7 +55,7 @@ def test_good_flags() -> None:
     assert (a.width, a.heads, a.layers) == (16, 2, peer.DEFAULTS["layers"])
     assert a.stun == ["stun:a", "stun:b"] and a.ice_host == ["127.0.0.1"]
     opts = run.options_from_args(a)
-    assert opts.model == {"width": 16, "layers": 2, "heads": 2, "seq": 64}
+    assert opts.model == {"width": 16, "layers": peer.DEFAULTS["layers"], "heads": 2, "seq": 64}
     f = peer.parse_args([*S, "--room", "abcd", "--name", "x"])
     assert not f.start and f.width is None and run.options_from_args(f).model is None
 
