@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import errno
 import logging
 import sys
 from urllib.parse import urlsplit
@@ -62,7 +63,16 @@ def build_app(args: argparse.Namespace) -> web.Application:
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
-    web.run_app(build_app(args), host=args.host, port=args.port)
+    try:
+        web.run_app(build_app(args), host=args.host, port=args.port)
+    except OSError as exc:
+        # Binding is the only OSError run_app lets out; say which port and what to do.
+        if exc.errno == errno.EADDRINUSE:
+            why = "is in use; pick another with --port"
+        else:
+            why = f"cannot be opened: {exc.strerror or exc}"
+        sys.stderr.write(f"daisyweb-signal: port {args.port} on {args.host} {why}\n")
+        return 1
     return 0
 
 

@@ -49,3 +49,35 @@ def test_hf_endpoint_flag_and_builtin(monkeypatch):
         "http://127.0.0.1:9/mirror/datasets/HuggingFaceFW/fineweb-edu/resolve/main/"
         "sample/10BT/001_00000.parquet")
     assert build_app(parse_args(["--data", "builtin"]))[FINEWEB] is None
+
+
+def test_port_in_use_is_one_line_exit_1(capsys) -> None:
+    import socket
+
+    with socket.socket() as held:
+        held.bind(("127.0.0.1", 0))
+        held.listen()
+        port = held.getsockname()[1]
+        code = main(["--host", "127.0.0.1", "--port", str(port), "--data", "builtin"])
+    assert code == 1
+    err = capsys.readouterr().err.strip()
+    assert err == (f"daisyweb-signal: port {port} on 127.0.0.1 is in use; "
+                   "pick another with --port")
+
+
+def test_port_in_use_from_the_command_line_has_no_traceback() -> None:
+    import socket
+    import subprocess
+    import sys
+
+    with socket.socket() as held:
+        held.bind(("127.0.0.1", 0))
+        held.listen()
+        port = held.getsockname()[1]
+        proc = subprocess.run(
+            [sys.executable, "-m", "signaling.cli", "--port", str(port), "--data", "builtin"],
+            capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 1
+    assert "Traceback" not in proc.stderr
+    assert proc.stderr.strip().splitlines()[-1] == (
+        f"daisyweb-signal: port {port} on 127.0.0.1 is in use; pick another with --port")
