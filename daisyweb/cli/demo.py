@@ -8,6 +8,8 @@ one group in a private room; the dashboard URL is printed first.
 from __future__ import annotations
 
 import argparse
+import errno
+import json
 import os
 import secrets
 import signal
@@ -16,6 +18,7 @@ import subprocess
 import sys
 import threading
 import time
+import urllib.request
 from collections.abc import Sequence
 from pathlib import Path
 from typing import IO
@@ -106,16 +109,40 @@ def _pump(prefix: str, stream: IO[bytes], out: IO[str]) -> None:
         out.flush()
 
 
+def _port_in_use(port: int) -> bool:
+    """True if another program already holds ``port`` on 127.0.0.1."""
+    with socket.socket() as s:
+        try:
+            s.bind(("127.0.0.1", port))
+        except OSError as exc:
+            return exc.errno == errno.EADDRINUSE
+    return False
+
+
+def _healthy(port: int) -> bool:
+    """True if the port answers ``GET /healthz`` the way our signaling server does."""
+    # No proxies: an http_proxy in the environment must not see loopback requests.
+    opener = urllib.request.build_opener(urllib.request.ProxyHandler({}))
+    try:
+        with opener.open(f"http://127.0.0.1:{port}/healthz", timeout=1.0) as r:
+            body = json.loads(r.read(4096))
+    except (OSError, ValueError):  # refused, reset, not HTTP, not JSON, HTTP error
+        return False
+    return isinstance(body, dict) and body.get("ok") is True
+
+
 def _wait_http(port: int, proc: subprocess.Popen, timeout: float = 20.0) -> bool:
+    """Wait until OUR server (``proc``, still alive) answers /healthz with ok: true.
+
+    Only a TCP accept is not enough: another program on the port would pass that.
+    """
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         if proc.poll() is not None:
             return False
-        try:
-            with socket.create_connection(("127.0.0.1", port), timeout=0.5):
-                return True
-        except OSError:
-            time.sleep(0.1)
+        if _healthy(port):
+            return proc.poll() is None  # a foreign server answering for a dead one
+        time.sleep(0.1)
     return False
 
 
@@ -141,6 +168,10 @@ def peer_commands(args: argparse.Namespace, run: RunConfig, server: str,
 
 
 def run_group(args: argparse.Namespace, run: RunConfig) -> int:
+    if args.port and _port_in_use(args.port):
+        # Said at once: our server could not bind, and whoever holds it is not ours.
+        print(f"daisyweb-demo: port {args.port} is in use; try --port 0", file=sys.stderr)
+        return 1
     port = args.port or _free_port()
     room = "demo-" + secrets.token_hex(4)
     server_url = f"http://127.0.0.1:{port}"

@@ -64,3 +64,87 @@ def test_demo_group_of_three_ends_with_one_weight_hash(tmp_path) -> None:
     assert [r["step"] for r in records[:-1]] == [1, 2, 3]
     assert len(records[0]["roster"]) == 3
     assert records[-2]["weight_hash"].startswith(finals[0][1])
+
+
+class _Health:
+    """A tiny HTTP server on 127.0.0.1 answering /healthz with a chosen body."""
+
+    def __init__(self, body: bytes) -> None:
+        import http.server
+        import threading
+
+        outer_body = body
+
+        class H(http.server.BaseHTTPRequestHandler):
+            def do_GET(self) -> None:  # noqa: N802 - the http.server API
+                self.send_response(200)
+                self.send_header("Content-Type", "application/json")
+                self.end_headers()
+                self.wfile.write(outer_body)
+
+            def log_message(self, *a: object) -> None:
+                pass
+
+        self.httpd = http.server.HTTPServer(("127.0.0.1", 0), H)
+        self.port = self.httpd.server_address[1]
+        self.thread = threading.Thread(target=self.httpd.serve_forever, daemon=True)
+        self.thread.start()
+
+    def close(self) -> None:
+        self.httpd.shutdown()
+        self.httpd.server_close()
+
+
+def _sleeper():
+    import subprocess
+    import sys
+
+    return subprocess.Popen([sys.executable, "-c", "import time; time.sleep(30)"])
+
+
+def test_demo_port_held_by_a_plain_socket_is_refused_at_once(capsys) -> None:
+    import socket
+    import time
+
+    with socket.socket() as held:
+        held.bind(("127.0.0.1", 0))
+        held.listen()
+        port = held.getsockname()[1]
+        t0 = time.monotonic()
+        code = demo.main(["--peers", "2", "--steps", "1", "--port", str(port), *TINY])
+        took = time.monotonic() - t0
+    assert code == 1 and took < 5
+    err = capsys.readouterr().err
+    assert f"daisyweb-demo: port {port} is in use; try --port 0" in err
+
+
+def test_readiness_needs_our_healthz_not_just_a_listener() -> None:
+    import socket
+
+    proc = _sleeper()
+    try:
+        with socket.socket() as held:  # accepts TCP, never answers HTTP
+            held.bind(("127.0.0.1", 0))
+            held.listen()
+            assert not demo._wait_http(held.getsockname()[1], proc, timeout=1.0)
+        for body, ok in [(b'{"ok": true, "peers": 0}', True), (b'{"ok": false}', False),
+                         (b"<html>hello</html>", False), (b'["ok"]', False)]:
+            h = _Health(body)
+            try:
+                assert demo._wait_http(h.port, proc, timeout=0.4) is ok, body
+            finally:
+                h.close()
+    finally:
+        proc.kill()
+        proc.wait()
+
+
+def test_readiness_fails_when_the_server_process_died() -> None:
+    proc = _sleeper()
+    proc.kill()
+    proc.wait()
+    h = _Health(b'{"ok": true}')  # something healthy answers, but our server is gone
+    try:
+        assert not demo._wait_http(h.port, proc, timeout=1.5)
+    finally:
+        h.close()
