@@ -42,3 +42,10 @@ async def test_offer_has_only_loopback_candidates(restricted):
             assert " typ host" in ln
     finally:
         await pc.close()
+
+
+def test_the_suite_runs_with_ice_restricted_to_loopback() -> None:
+    # tests/conftest.py sets it for every test and every peer subprocess.
+    import os
+
+    assert os.environ.get("DAISYWEB_ICE_HOSTS") == "127.0.0.1"
