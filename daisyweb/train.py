@@ -8,6 +8,7 @@ gradient (``TrainState.gradient``), average the roster's gradients
 
 from __future__ import annotations
 
+import contextlib
 import json
 import math
 import os
@@ -23,6 +24,7 @@ from daisyweb import wire
 from daisyweb.averaging import average_in_roster_order, check_gradient
 from daisyweb.checkpoint import (
     Checkpoint,
+    CheckpointError,
     TokenizerInfo,
     make_checkpoint,
     restore_optimizer,
@@ -38,6 +40,8 @@ __all__ = [
     "Progress",
     "StepRecord",
     "train_local",
+    "kernel_report",
+    "kernel_line",
 ]
 
 
@@ -228,6 +232,23 @@ class StepRecord:
                 "tokens_per_s": self.tokens_per_s, "compute_s": self.compute_s}
 
 
+def kernel_report() -> dict[str, Any]:
+    """The end-of-run kernel facts (SPEC section 4, "Counts"): the backend GEMMs run on
+    now, every demotion so far, and multiply-accumulates per backend since start."""
+    import kernels
+
+    return {"backend": kernels.active_backend(), "demotions": kernels.demotions(),
+            "macs": kernels.counters()}
+
+
+def kernel_line(report: dict[str, Any]) -> str:
+    """``report`` as one line for the terminal."""
+    macs = ", ".join(f"{name} {n:,}" for name, n in report["macs"].items() if n) or "none"
+    demoted = "; ".join(f"{d['backend']} ({d['reason']})" for d in report["demotions"])
+    return (f"kernels: backend {report['backend']}, demotions: {demoted or 'none'}, "
+            f"multiply-accumulates: {macs}")
+
+
 def train_local(
     state: TrainState,
     sample: Callable[[int], np.ndarray],
@@ -238,15 +259,33 @@ def train_local(
     metrics: MetricsWriter | None = None,
     progress: Progress | None = None,
     on_step: Callable[[StepRecord], None] | None = None,
+    on_save_error: Callable[[CheckpointError, bool], None] | None = None,
 ) -> TrainState:
     """Train ``state`` alone (a roster of one) up to ``state.run.steps``.
 
     ``sample(step)`` returns the [batch, seq+1] token batch for a step. The loop is the
     group's step with one member: gradient, roster-order average, DaisyAdam, hash.
+
+    An error in a step is raised after the last committed state is saved (``save``) and
+    the end record written. A failed save raises CheckpointError, unless
+    ``on_save_error(error, final)`` is given: then a periodic save failure lets training
+    go on and a final one is only reported (the caller decides the exit).
     """
     run = state.run
     metrics = metrics or MetricsWriter(None)
     reason = "done"
+    save_error: CheckpointError | None = None
+
+    def save_now(final: bool) -> None:
+        nonlocal save_error
+        try:
+            save_checkpoint(save, state.checkpoint(tokenizer))  # type: ignore[arg-type]
+        except CheckpointError as exc:
+            save_error = exc if final else save_error
+            if on_save_error is None:
+                raise
+            on_save_error(exc, final)
+
     if progress is not None:
         progress.start(state.step)
     try:
@@ -265,7 +304,7 @@ def train_local(
             if on_step is not None:
                 on_step(record)
             if save and save_every and step % save_every == 0:
-                save_checkpoint(save, state.checkpoint(tokenizer))
+                save_now(final=False)
     except KeyboardInterrupt:
         reason = "interrupted"
         raise
@@ -274,7 +313,16 @@ def train_local(
         raise
     finally:
         # The saved state is always a committed step: apply() changes nothing on error.
-        if save:
-            save_checkpoint(save, state.checkpoint(tokenizer))
-        metrics.write({"end": reason, "step": state.step, "weight_hash": state.weight_hash()})
+        # The end record is written even if this save fails.
+        try:
+            if save:
+                save_now(final=True)
+        finally:
+            end: dict[str, Any] = {"end": reason, "step": state.step,
+                                   "weight_hash": state.weight_hash()}
+            if save_error is not None:
+                end["save_error"] = str(save_error)
+            with contextlib.suppress(Exception):  # the report must not hide the real end
+                end["kernels"] = kernel_report()
+            metrics.write(end)
     return state

@@ -23,10 +23,18 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import IO
 
-from daisyweb.checkpoint import TokenizerInfo
+from daisyweb.checkpoint import CheckpointError, TokenizerInfo
 from daisyweb.data import BatchSampler, builtin_tokens, default_tokenizer
 from daisyweb.model import ModelConfig
-from daisyweb.train import MetricsWriter, Progress, RunConfig, TrainState, train_local
+from daisyweb.train import (
+    MetricsWriter,
+    Progress,
+    RunConfig,
+    TrainState,
+    kernel_line,
+    kernel_report,
+    train_local,
+)
 
 MAX_PEERS = 8
 
@@ -74,16 +82,40 @@ def run_single(args: argparse.Namespace, run: RunConfig) -> int:
     print(f"daisyweb-demo: 1 peer, {state.size:,} parameters, {run.steps} steps, "
           f"built-in corpus, kernels backend {_backend()}", flush=True)
     metrics = MetricsWriter(args.metrics)
+    final_save_failed = False
+
+    def save_failed(exc: CheckpointError, final: bool) -> None:
+        # A failed periodic save loses nothing yet: training goes on, the next save retries.
+        nonlocal final_save_failed
+        final_save_failed = final_save_failed or final
+        what = "the final checkpoint" if final else "a periodic checkpoint (training goes on)"
+        print(f"daisyweb-demo: could not save {what} of step {state.step}: {exc}",
+              file=sys.stderr, flush=True)
+
     try:
         train_local(state, sampler.sample, tokenizer=info, save=args.save,
                     save_every=args.save_every, metrics=metrics,
-                    progress=Progress(run.steps))
+                    progress=Progress(run.steps), on_save_error=save_failed)
     except KeyboardInterrupt:
+        saved = args.save and not final_save_failed
         print(f"\ndaisyweb-demo: interrupted at step {state.step}"
-              + (f"; checkpoint saved to {args.save}" if args.save else ""), file=sys.stderr)
+              + (f"; checkpoint saved to {args.save}" if saved else ""), file=sys.stderr)
         return 130
+    except Exception as exc:
+        # A refused (NaN/Inf) gradient or a failing step: the state is the last committed
+        # step, untouched by the failed one, and already saved by train_local.
+        saved = args.save and not final_save_failed
+        print(f"daisyweb-demo: training halted at step {state.step + 1}: "
+              f"{type(exc).__name__}: {exc}"
+              + (f"; the last committed step ({state.step}) is saved to {args.save}"
+                 if saved else ""), file=sys.stderr, flush=True)
+        print(f"daisyweb-demo: {kernel_line(kernel_report())}", flush=True)
+        return 1
     finally:
         metrics.close()
+    print(f"daisyweb-demo: {kernel_line(kernel_report())}", flush=True)
+    if final_save_failed:
+        return 1
     print(f"daisyweb-demo: done, step {state.step}, weight hash {state.weight_hash()[:16]}"
           + (f", saved {args.save}" if args.save else ""), flush=True)
     return 0

@@ -148,3 +148,94 @@ def test_readiness_fails_when_the_server_process_died() -> None:
         assert not demo._wait_http(h.port, proc, timeout=1.5)
     finally:
         h.close()
+
+
+def _patch_loss(monkeypatch, at: int, effect) -> None:
+    """Make the model's loss_and_grad misbehave on its ``at``-th call (= step ``at``)."""
+    import daisyweb.train as train
+
+    real = train.loss_and_grad
+    calls = [0]
+
+    def patched(model, params, batch):
+        calls[0] += 1
+        loss, grad = real(model, params, batch)
+        if calls[0] == at:
+            return effect(loss, grad)
+        return loss, grad
+
+    monkeypatch.setattr(train, "loss_and_grad", patched)
+
+
+def _nan_grad(loss, grad):
+    grad = grad.copy()
+    grad[:3] = float("nan")
+    return loss, grad
+
+
+def _raise(loss, grad):
+    from kernels import NonFiniteError
+
+    raise NonFiniteError("activation has 1 NaN/Inf values")
+
+
+@pytest.mark.parametrize("effect,why", [
+    (_nan_grad, "GradientError: gradient: 3 NaN/Inf values"),
+    (_raise, "NonFiniteError: activation has 1 NaN/Inf values"),
+])
+def test_demo_single_peer_halt_is_one_line_and_keeps_the_last_step(
+        tmp_path, capsys, monkeypatch, effect, why) -> None:
+    save, metrics = tmp_path / "demo.pt", tmp_path / "m.jsonl"
+    _patch_loss(monkeypatch, 3, effect)
+    code = demo.main(["--peers", "1", "--steps", "6", "--save", str(save),
+                      "--metrics", str(metrics), *TINY])
+    assert code == 1
+    err = capsys.readouterr().err
+    assert "Traceback" not in err
+    assert err.strip().splitlines()[-1] == (
+        f"daisyweb-demo: training halted at step 3: {why}; "
+        f"the last committed step (2) is saved to {save}")
+    records = [json.loads(x) for x in metrics.read_text().splitlines()]
+    assert [r["step"] for r in records[:-1]] == [1, 2]
+    assert records[-1]["end"].startswith("error:") and records[-1]["step"] == 2
+    ckpt = load_checkpoint(save)
+    assert ckpt.step == 2 and ckpt.weight_hash == records[-2]["weight_hash"]
+
+
+def test_demo_single_peer_save_dir_removed_mid_run(tmp_path, capsys, monkeypatch) -> None:
+    out = tmp_path / "out"
+    out.mkdir()
+    save = out / "demo.pt"
+
+    def remove_dir(loss, grad):
+        save.unlink()
+        out.rmdir()
+        return loss, grad
+
+    _patch_loss(monkeypatch, 3, remove_dir)  # step 2 saved; steps 3 and 4 cannot be
+    code = demo.main(["--peers", "1", "--steps", "4", "--save", str(save),
+                      "--save-every", "1", *TINY])
+    assert code == 1  # the final checkpoint is lost: the run must not say "done"
+    cap = capsys.readouterr()
+    assert "Traceback" not in cap.err and "daisyweb-demo: done" not in cap.out
+    lines = [x for x in cap.err.splitlines() if x.startswith("daisyweb-demo:")]
+    assert lines[0].startswith("daisyweb-demo: could not save a periodic checkpoint "
+                               "(training goes on) of step 3: ")
+    assert lines[-1].startswith("daisyweb-demo: could not save the final checkpoint "
+                                "of step 4: ")
+    assert "kernels: backend" in cap.out  # training itself reached the end
+
+
+def test_demo_single_peer_end_record_carries_kernel_counts(tmp_path, capsys) -> None:
+    import kernels
+
+    metrics = tmp_path / "m.jsonl"
+    assert demo.main(["--peers", "1", "--steps", "2", "--metrics", str(metrics), *TINY]) == 0
+    end = json.loads(metrics.read_text().splitlines()[-1])
+    k = end["kernels"]
+    assert k["backend"] == kernels.active_backend()
+    assert k["macs"][k["backend"]] > 0 and isinstance(k["demotions"], list)
+    out = capsys.readouterr().out
+    line = next(x for x in out.splitlines() if "kernels: backend" in x)
+    assert f"kernels: backend {k['backend']}, demotions: " in line
+    assert f"{k['backend']} {k['macs'][k['backend']]:,}" in line
