@@ -21,7 +21,8 @@ them): ``DAISYWEB_TEST_BREAK_KERNEL=1`` (an int8 GEMM that is off by one),
 ``DAISYWEB_TEST_FORK_AT=S`` (perturb one weight after step S is applied),
 ``DAISYWEB_TEST_DUMP_GRADS=DIR`` (write each local gradient to DIR for the replay oracle),
 ``DAISYWEB_TEST_STEP_DELAY=SECONDS`` (sleep before each gradient, to widen the window for
-kill tests).
+kill tests), ``DAISYWEB_TEST_GRADIENT_RAISES=S`` (the step-S gradient computation raises,
+as a kernel refusing a non-finite activation would).
 """
 
 from __future__ import annotations
@@ -125,6 +126,7 @@ class TestHooks:
     fork_at: int | None = None
     dump_grads: str | None = None
     step_delay: float = 0.0
+    gradient_raises: int | None = None
 
     @classmethod
     def from_env(cls, env: dict[str, str] | None = None) -> TestHooks:
@@ -152,6 +154,7 @@ class TestHooks:
             fork_at=step_of("DAISYWEB_TEST_FORK_AT"),
             dump_grads=env.get("DAISYWEB_TEST_DUMP_GRADS") or None,
             step_delay=float(env.get("DAISYWEB_TEST_STEP_DELAY") or 0.0),
+            gradient_raises=step_of("DAISYWEB_TEST_GRADIENT_RAISES"),
         )
 
 
@@ -221,6 +224,13 @@ class _Replica:
         # New arrays, not in place: a gradient thread may still read the old ones.
         self.state.params = params.copy()
         self.state.optimizer.load_state_dict(opt)
+
+
+def _raising_gradient(batch: np.ndarray) -> tuple[float, np.ndarray]:
+    """Test hook (DAISYWEB_TEST_GRADIENT_RAISES): what a kernel refusing NaN looks like."""
+    from kernels import NonFiniteError
+
+    raise NonFiniteError("test: injected gradient failure")
 
 
 def _log(msg: str) -> None:
@@ -702,6 +712,16 @@ class _Driver:
                 path = Path(self.hooks.dump_grads) / f"{m.self_id}-{step}.npy"
                 np.save(path, grad)
             await self._do(m.local_gradient(step, loss, grad, now))
+        elif kind == "grad_error":
+            _, step, exc = item
+            if m.done or step != m.boundary:
+                return  # stale: the step was rolled forward while this one computed
+            reason = (f"gradient computation failed on {m.self_id} at step {step}: "
+                      f"{type(exc).__name__}: {exc}")
+            out: list[sync.Action] = []
+            # The machine's own stop: broadcast Halt, then Stopped (state untouched).
+            m._stop(out, step, reason, broadcast=True)
+            await self._do(out)
         elif kind == "mesh":
             ev = item[1]
             name = type(ev).__name__
@@ -751,9 +771,18 @@ class _Driver:
             await asyncio.sleep(self.hooks.step_delay)
         loop = asyncio.get_running_loop()
         t0 = time.perf_counter()
-        batch = self._batch(step)
         state = self.state
-        loss, grad = await loop.run_in_executor(None, state.gradient, batch)
+        try:
+            batch = self._batch(step)
+            gradient = state.gradient
+            if self.hooks.gradient_raises == step:
+                gradient = _raising_gradient
+            loss, grad = await loop.run_in_executor(None, gradient, batch)
+        except Exception as exc:
+            # Any failure here (a kernel refusing a NaN activation, a bug) must halt the
+            # group: a peer that silently never sends its gradient stalls everyone.
+            await self.queue.put(("grad_error", step, exc))
+            return
         await self.queue.put(("grad", step, loss, grad, time.perf_counter() - t0))
 
     def _send_snapshot(self, peer: str, step: int) -> None:
@@ -768,7 +797,7 @@ class _Driver:
         _log(f"sent snapshot of step {step} ({len(payload):,} bytes) to {peer}")
 
     async def _on_commit(self, c: sync.Commit) -> None:
-        from daisyweb.checkpoint import save_checkpoint
+        from daisyweb.checkpoint import CheckpointError, save_checkpoint
 
         now = time.monotonic()
         run = self.state.run
@@ -789,8 +818,14 @@ class _Driver:
         self.metrics.write(record)
         every = self.opts.save_every
         if self.opts.save and every and (c.step + 1) % every == 0:
-            save_checkpoint(self.opts.save, self.state.checkpoint(self.tokinfo))
-            self.last_saved = c.step + 1
+            try:
+                save_checkpoint(self.opts.save, self.state.checkpoint(self.tokinfo))
+                self.last_saved = c.step + 1
+            except CheckpointError as exc:
+                # The write is atomic (the old file stays) and the replica is fine, so
+                # training goes on; the next save (or the final one) tries again.
+                _log(f"could not save the checkpoint of step {c.step + 1} "
+                     f"(training goes on): {exc}")
         self.last_loss = float(loss) if math.isfinite(loss) else 0.0
         self.last_peers = len(c.roster)
         with contextlib.suppress(Exception):
@@ -800,17 +835,27 @@ class _Driver:
                 tokens_per_s=float(tokens_per_s), probe=c.probe_hash[:16], state="training")
 
     async def _finish(self) -> int:
-        from daisyweb.checkpoint import save_checkpoint
+        from daisyweb.checkpoint import CheckpointError, save_checkpoint
+        from daisyweb.train import kernel_line, kernel_report
 
         assert self.result is not None
         code, reason = self.result
         # The replica is always a committed boundary (a refused step touches nothing).
         saved = None
+        save_error = None
         if self.opts.save and self.state is not None:
-            save_checkpoint(self.opts.save, self.state.checkpoint(self.tokinfo))
-            saved = self.opts.save
+            try:
+                save_checkpoint(self.opts.save, self.state.checkpoint(self.tokinfo))
+                saved = self.opts.save
+            except CheckpointError as exc:
+                save_error = str(exc)
         end: dict[str, Any] = {"end": reason, "step": self.state.step,
                                "weight_hash": self.state.weight_hash()}
+        if save_error is not None:
+            end["save_error"] = save_error
+        kernels: dict[str, Any] | None = None
+        with contextlib.suppress(Exception):  # the report must never hide the run's end
+            kernels = end["kernels"] = kernel_report()
         self.metrics.write(end)
         with contextlib.suppress(Exception):
             await self.mesh.report_status(
@@ -821,4 +866,10 @@ class _Driver:
                  + (f", saved {saved}" if saved else ""))
         elif saved:
             _log(f"checkpoint of step {self.state.step} saved to {saved}")
+        if kernels is not None:
+            _log(kernel_line(kernels))
+        if save_error is not None:
+            # A run whose final checkpoint is lost did not end well, even if it trained.
+            _log(f"could not save the final checkpoint of step {self.state.step}: {save_error}")
+            code = code or 1
         return code

@@ -575,3 +575,89 @@ def test_interrupt_ends_cleanly_with_a_checkpoint(group: Group) -> None:
     assert lead.wait() == 0, lead.log.read_text()  # the leader finishes on its own
     assert [r["step"] for r in lead.steps()] == [1, 2, 3, 4, 5]
     assert same_hashes(lead) == oracle(group, lead)
+
+
+# ------------------------------------------------- gradient failures, saves, kernel report
+
+
+def test_in_process_gradient_exception_halts_the_group(tmp_path: Path, server: str,
+                                                       capsys: pytest.CaptureFixture) -> None:
+    bad = run.TestHooks(dump_grads=str(tmp_path), gradient_raises=1)
+    saves = {f"p{i}": str(tmp_path / f"p{i}.pt") for i in range(3)}
+    hub = FakeHub()
+    codes = asyncio.run(_group(tmp_path, server, 3, 5, hooks={"p1": bad}, save=saves,
+                               hub=hub))
+    assert codes == [1, 1, 1]  # every peer stops, none stalls
+    bad_id = hub.all[1].self_id
+    why = (f"gradient computation failed on {bad_id} at step 1: "
+           "NonFiniteError: test: injected gradient failure")
+    for i in range(3):
+        rs = _records(tmp_path / f"p{i}.jsonl")
+        assert why in rs[-1]["end"] and rs[-1]["step"] == 1
+        ck = load_checkpoint(saves[f"p{i}"])  # state untouched: the last committed step
+        assert ck.step == 1 and ck.weight_hash == rs[-2]["weight_hash"]
+    assert f"daisyweb-peer: halted at step 1: {why}" in capsys.readouterr().err
+
+
+def test_in_process_save_failures_warn_then_fail_the_end(
+        tmp_path: Path, server: str, monkeypatch: pytest.MonkeyPatch,
+        capsys: pytest.CaptureFixture) -> None:
+    import daisyweb.checkpoint as checkpoint
+
+    out = tmp_path / "out"
+    out.mkdir()
+    save = out / "lead.pt"
+    real = checkpoint.save_checkpoint
+    calls = [0]
+
+    def save_then_vanish(path: object, ckpt: Checkpoint) -> None:
+        calls[0] += 1
+        real(path, ckpt)
+        if calls[0] == 1:  # the directory disappears after the first periodic save
+            save.unlink()
+            out.rmdir()
+
+    monkeypatch.setattr(checkpoint, "save_checkpoint", save_then_vanish)
+    opts = _opts(tmp_path, server, "lead", start=True, steps=3, save=str(save), save_every=1)
+    code = asyncio.run(run.run_peer(opts, hooks=run.TestHooks(),
+                                    mesh_factory=lambda *a, **k: FakeMesh(FakeHub(), *a, **k)))
+    assert code == 1  # trained to the end, but the final checkpoint is lost
+    rs = _records(tmp_path / "lead.jsonl")
+    assert [r["step"] for r in rs[:-1]] == [1, 2, 3]  # a failed periodic save goes on
+    assert rs[-1]["end"] == "done" and "cannot create a temp file" in rs[-1]["save_error"]
+    err = capsys.readouterr().err
+    assert "Traceback" not in err
+    assert "daisyweb-peer: could not save the checkpoint of step 2 (training goes on): " in err
+    assert "daisyweb-peer: could not save the final checkpoint of step 3: " in err
+
+
+def test_in_process_end_record_carries_kernel_counts(tmp_path: Path, server: str,
+                                                     capsys: pytest.CaptureFixture) -> None:
+    import kernels
+
+    codes = asyncio.run(_group(tmp_path, server, 2, 2))
+    assert codes == [0, 0]
+    for i in range(2):
+        k = _records(tmp_path / f"p{i}.jsonl")[-1]["kernels"]
+        assert k["backend"] == kernels.active_backend()
+        assert k["macs"][k["backend"]] > 0 and k["demotions"] == kernels.demotions()
+    err = capsys.readouterr().err
+    assert f"daisyweb-peer: kernels: backend {kernels.active_backend()}, demotions: " in err
+
+
+def test_gradient_exception_in_a_real_peer_halts_every_peer(group: Group) -> None:
+    lead = group.leader(*MODEL, "--steps", "6", "--wait-peers", "2",
+                        "--save", str(group.tmp / "lead.pt"))
+    bad = group.spawn("bad", env={"DAISYWEB_TEST_GRADIENT_RAISES": "2"})
+    assert [lead.wait(), bad.wait()] == [1, 1], group.logs()
+    why = (f"gradient computation failed on {bad.id()} at step 2: "
+           "NonFiniteError: test: injected gradient failure")
+    for p in (lead, bad):
+        end = p.end()
+        assert end["step"] == 2 and why in end["end"], p.log.read_text()
+        assert "Traceback" not in p.log.read_text()
+        # A fresh process: these MACs are this run's own, on the backend it reports.
+        assert end["kernels"]["macs"][end["kernels"]["backend"]] > 0
+    assert f"halted at step 2: {bad.id()}: {why}" in lead.log.read_text()
+    c = load_checkpoint(group.tmp / "lead.pt")
+    assert c.step == 2 and c.weight_hash == lead.steps()[-1]["weight_hash"]
