@@ -303,6 +303,8 @@ async def run_peer(
     hooks = TestHooks.from_env() if hooks is None else hooks
     if opts.save:
         parent = Path(opts.save).resolve().parent
+        if parent.exists() and not parent.is_dir():
+            raise PeerError(2, f"--save: {parent} is not a directory")
         if not parent.is_dir():
             raise PeerError(2, f"--save: directory {parent} does not exist")
     if hooks.break_kernel:

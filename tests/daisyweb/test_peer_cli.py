@@ -159,3 +159,22 @@ def test_save_into_a_missing_directory_is_refused_before_connecting(tmp_path) ->
                        capture_output=True, text=True, timeout=60)
     assert p.returncode == 2 and "--save: directory" in p.stderr
     assert len(p.stderr.strip().splitlines()) == 1
+
+
+def test_save_under_a_file_is_refused_before_connecting(tmp_path) -> None:
+    # Tests may run as root, where chmod does not stop writes; a file as parent always does.
+    (tmp_path / "plain").write_text("not a directory")
+    target = tmp_path / "plain" / "x.pt"
+    p = subprocess.run([sys.executable, "-m", "daisyweb.cli.peer", *S, "--save", str(target)],
+                       capture_output=True, text=True, timeout=60)
+    assert p.returncode == 2
+    assert p.stderr.strip() == (
+        f"daisyweb-peer: --save: {tmp_path / 'plain'} is not a directory")
+
+
+def test_gradient_raises_switch_parses() -> None:
+    assert run.TestHooks.from_env({"DAISYWEB_TEST_GRADIENT_RAISES": "3"}).gradient_raises == 3
+    assert run.TestHooks.from_env({}).gradient_raises is None
+    with pytest.raises(run.PeerError) as exc:
+        run.TestHooks.from_env({"DAISYWEB_TEST_GRADIENT_RAISES": "soon"})
+    assert exc.value.code == 2 and "DAISYWEB_TEST_GRADIENT_RAISES" in str(exc.value)
