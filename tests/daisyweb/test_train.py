@@ -108,3 +108,35 @@ def test_progress_line_reports_rate_and_eta() -> None:
     last = out.getvalue().splitlines()[-1]
     assert "step 2/10" in last and "loss 3.2500" in last and "250 tok/s" in last
     assert "eta 16s" in last  # 8 steps left at 2 s per step
+
+
+def test_failed_saves_keep_training_and_the_end_record(tmp_path) -> None:
+    from daisyweb.checkpoint import CheckpointError
+
+    missing = tmp_path / "gone" / "c.pt"  # every save fails: the directory is missing
+    metrics_path = tmp_path / "m.jsonl"
+    seen: list[tuple[int, bool]] = []
+    state = TrainState.fresh(_run(4))
+    metrics = MetricsWriter(metrics_path)
+    train_local(state, _fixed_batch, tokenizer=TOK, save=missing, save_every=2,
+                metrics=metrics, on_save_error=lambda exc, final: seen.append(
+                    (state.step, final)))
+    assert state.step == 4 and seen == [(2, False), (4, False), (4, True)]
+    # Without the callback a failed save raises, but the end record is still written.
+    state2 = TrainState.fresh(_run(2))
+    with pytest.raises(CheckpointError, match="cannot create a temp file"):
+        train_local(state2, _fixed_batch, tokenizer=TOK, save=missing, metrics=metrics)
+    metrics.close()
+    ends = [r for r in map(json.loads, metrics_path.read_text().splitlines()) if "end" in r]
+    assert len(ends) == 2 and all("cannot create" in e["save_error"] for e in ends)
+    assert ends[1]["end"] == "done" and ends[1]["step"] == 2
+    assert ends[0]["kernels"]["macs"][ends[0]["kernels"]["backend"]] > 0
+
+
+def test_kernel_line_lists_backend_demotions_and_counts() -> None:
+    from daisyweb.train import kernel_line
+
+    line = kernel_line({"backend": "blas64", "macs": {"blas": 0, "blas64": 1234567},
+                        "demotions": [{"backend": "blas", "reason": "audit: cell (0, 0)"}]})
+    assert line == ("kernels: backend blas64, demotions: blas (audit: cell (0, 0)), "
+                    "multiply-accumulates: blas64 1,234,567")
