@@ -568,9 +568,10 @@ class _Driver:
         head = self.tok.encode(builtin_text()[:START_TEXT_CHARS])
         self.sampler = BatchSampler(head, batch=run.batch, seq=run.model.seq,
                                     seed=run.seed, peer=self.mesh.self_id)
-        if run.data == "builtin":
-            self.tasks.append(asyncio.create_task(self._load_builtin()))
-        else:
+        # The whole built-in corpus always loads: training on the head alone (or on a
+        # few /data slices) overfits it within a few dozen steps.
+        self.tasks.append(asyncio.create_task(self._load_builtin()))
+        if run.data != "builtin":
             self.tasks.append(asyncio.create_task(self._fetch_data()))
 
     async def _load_builtin(self) -> None:
@@ -599,8 +600,8 @@ class _Driver:
                 except (aiohttp.ClientError, TimeoutError, UnicodeDecodeError) as exc:
                     _log(f"/data unavailable ({type(exc).__name__}); using the built-in corpus")
                     text, source = "", "-"
-                if not text:
-                    await self._load_builtin()
+                if source == "builtin":
+                    text = ""  # the server's built-in corpus is ours, already loaded
                 if text:
                     loop = asyncio.get_running_loop()
                     ids = await loop.run_in_executor(None, self.tok.encode, text)

@@ -133,10 +133,12 @@ def _free_port() -> int:
         return int(s.getsockname()[1])
 
 
-def _pump(prefix: str, stream: IO[bytes], out: IO[str]) -> None:
+def _pump(prefix: str, stream: IO[bytes], out: IO[str], progress: bool = True) -> None:
     for raw in iter(stream.readline, b""):
         if b"aiohttp.access" in raw:
             continue  # one line per HTTP request drowns the training progress
+        if not progress and raw.startswith(b"step "):
+            continue  # followers commit the same steps; the leader's line shows them
         out.write(f"{prefix}{raw.decode(errors='replace')}")
         out.flush()
 
@@ -211,9 +213,10 @@ def run_group(args: argparse.Namespace, run: RunConfig) -> int:
     procs: list[subprocess.Popen] = []
     pumps: list[threading.Thread] = []
 
-    def spawn(prefix: str, cmd: list[str]) -> subprocess.Popen:
+    def spawn(prefix: str, cmd: list[str], progress: bool = True) -> subprocess.Popen:
         proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, env=env)
-        t = threading.Thread(target=_pump, args=(prefix, proc.stdout, sys.stdout), daemon=True)
+        t = threading.Thread(target=_pump, args=(prefix, proc.stdout, sys.stdout, progress),
+                             daemon=True)
         t.start()
         procs.append(proc)
         pumps.append(t)
@@ -231,7 +234,8 @@ def run_group(args: argparse.Namespace, run: RunConfig) -> int:
         commands = peer_commands(args, run, server_url, room)
         peers = [spawn("[peer-0] ", commands[0])]
         time.sleep(1.0)  # the leader must join first: the room's first peer is its host
-        peers += [spawn(f"[peer-{i}] ", cmd) for i, cmd in enumerate(commands[1:], 1)]
+        peers += [spawn(f"[peer-{i}] ", cmd, progress=False)
+                  for i, cmd in enumerate(commands[1:], 1)]
         codes = [p.wait() for p in peers]
         for t in pumps[1:]:
             t.join(timeout=2)
