@@ -2,7 +2,7 @@
 
 ``--peers 1`` trains in this process on the built-in corpus. ``--peers N`` (N >= 2)
 starts a signaling server and N ``daisyweb-peer`` processes on 127.0.0.1 that train as
-one group in a private room; the dashboard URL is printed first.
+one group in a private room; the dashboard URL (the host's link) is printed first.
 """
 
 from __future__ import annotations
@@ -133,12 +133,21 @@ def _free_port() -> int:
         return int(s.getsockname()[1])
 
 
+_LINK_MARK = b"dashboard with Accept/Deny (keep it private): "
+
+
 def _pump(prefix: str, stream: IO[bytes], out: IO[str], progress: bool = True) -> None:
     for raw in iter(stream.readline, b""):
         if b"aiohttp.access" in raw:
             continue  # one line per HTTP request drowns the training progress
         if not progress and raw.startswith(b"step "):
             continue  # followers commit the same steps; the leader's line shows them
+        if progress and _LINK_MARK in raw:
+            # The host's link carries the room's secret: the one URL that shows the room.
+            link = raw.split(_LINK_MARK, 1)[1].decode(errors="replace").strip()
+            out.write(f"daisyweb-demo: dashboard {link}\n")
+            out.flush()
+            continue
         out.write(f"{prefix}{raw.decode(errors='replace')}")
         out.flush()
 
@@ -229,7 +238,7 @@ def run_group(args: argparse.Namespace, run: RunConfig) -> int:
             print(f"daisyweb-demo: the signaling server did not start on port {port} "
                   "(is the port taken? try --port 0)", file=sys.stderr)
             return 1
-        print(f"daisyweb-demo: dashboard {server_url}/?room={room}  "
+        print(f"daisyweb-demo: signaling server {server_url}, room {room} "
               f"({args.peers} peers, {run.steps} steps, built-in corpus)", flush=True)
         commands = peer_commands(args, run, server_url, room)
         peers = [spawn("[peer-0] ", commands[0])]

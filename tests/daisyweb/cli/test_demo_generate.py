@@ -55,7 +55,9 @@ def test_demo_group_of_three_ends_with_one_weight_hash(tmp_path) -> None:
          "--port", "0", "--metrics", str(metrics), *TINY],
         capture_output=True, text=True, timeout=240, cwd=tmp_path)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    assert "dashboard http://127.0.0.1:" in proc.stdout
+    # the printed dashboard URL is the host's link: it carries the room's secret key
+    assert re.search(r"daisyweb-demo: dashboard http://127\.0\.0\.1:\d+/\?room=demo-\w+&key=\S+",
+                     proc.stdout), proc.stdout[-2000:]
     finals = re.findall(r"\[peer-(\d)\] daisyweb-peer: done at step 3, weight hash (\w+)",
                         proc.stdout)
     assert sorted(p for p, _ in finals) == ["0", "1", "2"]
