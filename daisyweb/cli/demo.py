@@ -155,6 +155,9 @@ def _pump(prefix: str, stream: IO[bytes], out: IO[str], progress: bool = True) -
 def _port_in_use(port: int) -> bool:
     """True if another program already holds ``port`` on 127.0.0.1."""
     with socket.socket() as s:
+        # As the server binds (aiohttp sets SO_REUSEADDR): a previous run's TIME_WAIT
+        # connections must not count as "in use", only a live listener.
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         try:
             s.bind(("127.0.0.1", port))
         except OSError as exc:

@@ -241,3 +241,26 @@ def test_demo_single_peer_end_record_carries_kernel_counts(tmp_path, capsys) -> 
     line = next(x for x in out.splitlines() if "kernels: backend" in x)
     assert f"kernels: backend {k['backend']}, demotions: " in line
     assert f"{k['backend']} {k['macs'][k['backend']]:,}" in line
+
+
+def test_port_with_only_time_wait_connections_is_free() -> None:
+    import socket
+
+    # A previous run's server closed its connections first: they sit in TIME_WAIT on
+    # the port. Our server can bind (SO_REUSEADDR), so the check must not cry "in use".
+    with socket.socket() as lst:
+        lst.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as aiohttp's listener
+        lst.bind(("127.0.0.1", 0))
+        lst.listen()
+        port = lst.getsockname()[1]
+        client = socket.create_connection(("127.0.0.1", port))
+        conn, _ = lst.accept()
+        conn.close()  # server side closes first -> TIME_WAIT on 127.0.0.1:port
+        client.recv(1)
+        client.close()
+    assert not demo._port_in_use(port)
+    with socket.socket() as live:
+        live.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        live.bind(("127.0.0.1", port))
+        live.listen()
+        assert demo._port_in_use(port)
