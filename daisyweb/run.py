@@ -311,7 +311,11 @@ async def run_peer(
         break_kernel_for_tests()
     tok, tokinfo = _tokenizer_info()
     state = _leader_state(opts, tokinfo) if opts.start else None
-    driver = _Driver(opts, hooks, tok, tokinfo, state, mesh_factory)
+    try:
+        driver = _Driver(opts, hooks, tok, tokinfo, state, mesh_factory)
+    except OSError as exc:  # the only file the driver opens up front is --metrics
+        raise PeerError(2, f"--metrics: cannot open {opts.metrics}: "
+                           f"{exc.strerror or exc}") from None
     return await driver.main()
 
 

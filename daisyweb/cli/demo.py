@@ -81,7 +81,12 @@ def run_single(args: argparse.Namespace, run: RunConfig) -> int:
     state = TrainState.fresh(run)
     print(f"daisyweb-demo: 1 peer, {state.size:,} parameters, {run.steps} steps, "
           f"built-in corpus, kernels backend {_backend()}", flush=True)
-    metrics = MetricsWriter(args.metrics)
+    try:
+        metrics = MetricsWriter(args.metrics)
+    except OSError as exc:
+        print(f"daisyweb-demo: --metrics: cannot open {args.metrics}: {exc.strerror or exc}",
+              file=sys.stderr)
+        return 2
     final_save_failed = False
 
     def save_failed(exc: CheckpointError, final: bool) -> None:

@@ -178,3 +178,12 @@ def test_gradient_raises_switch_parses() -> None:
     with pytest.raises(run.PeerError) as exc:
         run.TestHooks.from_env({"DAISYWEB_TEST_GRADIENT_RAISES": "soon"})
     assert exc.value.code == 2 and "DAISYWEB_TEST_GRADIENT_RAISES" in str(exc.value)
+
+
+def test_unopenable_metrics_file_is_one_line_exit_2(tmp_path) -> None:
+    (tmp_path / "plain").write_text("not a directory")
+    bad = tmp_path / "plain" / "m.jsonl"
+    p = subprocess.run([sys.executable, "-m", "daisyweb.cli.peer", *S, "--start",
+                        "--metrics", str(bad)], capture_output=True, text=True, timeout=60)
+    assert p.returncode == 2
+    assert p.stderr.strip() == f"daisyweb-peer: --metrics: cannot open {bad}: Not a directory"

@@ -264,3 +264,11 @@ def test_port_with_only_time_wait_connections_is_free() -> None:
         live.bind(("127.0.0.1", port))
         live.listen()
         assert demo._port_in_use(port)
+
+
+def test_demo_unopenable_metrics_file_is_one_line(tmp_path, capsys) -> None:
+    (tmp_path / "plain").write_text("not a directory")
+    bad = tmp_path / "plain" / "m.jsonl"
+    assert demo.main(["--peers", "1", "--steps", "1", "--metrics", str(bad), *TINY]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err == f"daisyweb-demo: --metrics: cannot open {bad}: Not a directory"
