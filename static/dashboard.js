@@ -263,7 +263,11 @@ function drawGroup(info) {
   $("run-state").textContent = runState(reports);
   $("run-state").className = /halted/.test($("run-state").textContent) ? "bad" : "";
   $("step").textContent = latest ? latest.step : "–";
-  $("loss").textContent = latest ? fmt(latest.loss, 4) : "–";
+  // Each peer reports the loss of its own batches: the group's loss at a step is their mean
+  // (every roster member's gradient counts equally), not whichever report sorts first.
+  const atTop = latest ? Object.values(reports).filter((r) => r.step === latest.step) : [];
+  $("loss").textContent = atTop.length
+    ? fmt(atTop.reduce((s, r) => s + r.loss, 0) / atTop.length, 4) : "–";
   const tps = Object.values(reports).filter((r) => typeof r.tokens_per_s === "number");
   $("tokens").textContent = tps.length
     ? fmt(tps.reduce((s, r) => s + r.tokens_per_s, 0), 0) : "–";

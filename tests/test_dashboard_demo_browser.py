@@ -206,10 +206,19 @@ async def test_dashboard_drives_a_real_group(tmp_path: Path) -> None:
                       const sa = cell(a, 'td:nth-child(4)').textContent;
                       const sb = cell(b, 'td:nth-child(4)').textContent;
                       if (sa !== sb || ra.textContent !== rb.textContent) return false;
-                      return [Number(sa), ra.textContent, ra.className, rb.className];
+                      const la = cell(a, 'td:nth-child(5)').textContent;
+                      const lb = cell(b, 'td:nth-child(5)').textContent;
+                      return [Number(sa), ra.textContent, ra.className, rb.className,
+                              Number(la), Number(lb),
+                              Number(document.getElementById('loss').textContent),
+                              document.getElementById('step').textContent];
                     }""", arg=[host_id, joiner_id], timeout=15000)
-                step, prefix, cls_a, cls_b = await seen.json_value()
+                step, prefix, cls_a, cls_b, loss_a, loss_b, card, card_step = (
+                    await seen.json_value())
                 assert "diverged" not in cls_a + cls_b
+                # each peer's loss is on its own batches; the card shows their mean
+                assert card_step == str(step)
+                assert card == pytest.approx((loss_a + loss_b) / 2, abs=1.5e-4)
                 assert len(prefix) == 16
                 assert await page.locator("#members tbody tr").count() == 2
                 assert await page.text_content("#hash-summary") != "–"
