@@ -196,6 +196,7 @@ function drawChart(info, colorOf) {
 }
 
 let waitingDrawn = "";
+let shown = false; // this page has drawn its group at least once
 
 function drawWaiting(info) {
   const box = $("waiting");
@@ -319,6 +320,19 @@ async function refreshGroup() {
   try {
     info = await getJSON(detailURL());
   } catch (e) {
+    if (e.status === 404 && shown) {
+      // The room emptied (every peer left, as at the end of a run) or this link's key
+      // was retired: keep what was last seen, but nothing in it can be decided any more.
+      showError("This room is gone from the server: every peer has left (a finished run " +
+        "ends this way), " + (KEY
+          ? "or hosting changed hands (the new host prints a new link). "
+          : "or the member named by ?peer= has left (use another member's id). ") +
+        "Below is the last state seen.");
+      $("waiting").replaceChildren(el("p", "–", "hint"));
+      waitingDrawn = "";
+      pending.clear();
+      return;
+    }
     if (e.status === 404) {
       $("group").hidden = true;
       showError(ROOM
@@ -333,6 +347,7 @@ async function refreshGroup() {
   showError("");
   $("group").hidden = false;
   drawGroup(info);
+  shown = true;
 }
 
 async function tick() {

@@ -6,6 +6,7 @@ is opened in Chromium; a click on Accept admits the joiner, the loss curve then 
 real training and both peers show the same weight-hash prefix, which must match what the
 peers themselves recorded. A member's page (no key) can watch but never approve, a forged
 decision is refused with 403, and the host's page denies a third peer, which exits 3.
+When the run ends and the room empties, the pages keep the last state seen and say why.
 """
 
 from __future__ import annotations
@@ -253,6 +254,25 @@ async def test_dashboard_drives_a_real_group(tmp_path: Path) -> None:
                 await late_row.locator("button.deny").click()
                 assert await late.exit_code(20) == 3
                 assert "denied" in late.text() and "joined as" not in late.text()
+
+                # the run ends, both peers leave and the room empties: the host's page
+                # keeps the last state it saw, says why, and offers nothing to decide
+                assert await host.exit_code(30) == 0, host.text()
+                assert await joiner.exit_code(30) == 0, joiner.text()
+                await page.wait_for_function(
+                    "() => /last state seen/.test(document.getElementById('error')"
+                    ".textContent)", timeout=10000)
+                assert await page.locator("#error").is_visible()
+                assert await page.locator("#group").is_visible()
+                assert await page.locator("#members tbody tr").count() == 2
+                assert await page.locator("#waiting button").count() == 0
+                assert int(await page.text_content("#step")) >= STEPS - 2
+                await watcher.wait_for_function(
+                    "() => /member named by \\?peer= has left/.test("
+                    "document.getElementById('error').textContent)", timeout=10000)
+                assert await watcher.locator("#members tbody tr").count() == 2
+                shots.append(tmp_path / "demo-ended.png")
+                await page.screenshot(path=str(shots[-1]), full_page=True)
                 print("dashboard screenshots:", *map(str, shots))
             finally:
                 await ctx.close()
@@ -260,8 +280,6 @@ async def test_dashboard_drives_a_real_group(tmp_path: Path) -> None:
             outside = [u for u in requests if not u.startswith(url + "/")]
             assert not outside, outside
 
-        assert await host.exit_code(30) == 0, host.text()
-        assert await joiner.exit_code(30) == 0, joiner.text()
         assert f"done at step {STEPS}" in host.text()
         # what the page showed is what the peers computed, and they agree at every step
         host_steps, joiner_steps = host.steps(), joiner.steps()
