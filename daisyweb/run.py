@@ -725,10 +725,7 @@ class _Driver:
                 return  # stale: the step was rolled forward while this one computed
             reason = (f"gradient computation failed on {m.self_id} at step {step}: "
                       f"{type(exc).__name__}: {exc}")
-            out: list[sync.Action] = []
-            # The machine's own stop: broadcast Halt, then Stopped (state untouched).
-            m._stop(out, step, reason, broadcast=True)
-            await self._do(out)
+            await self._do(m.halt(step, reason))
         elif kind == "mesh":
             ev = item[1]
             name = type(ev).__name__

@@ -313,6 +313,13 @@ class StepMachine:
             self._progress(out, now)
         return out
 
+    def halt(self, step: int, reason: str) -> list[Action]:
+        """This peer cannot go on (e.g. its gradient computation failed): tell the group
+        and stop at ``step`` with the state untouched."""
+        out: list[Action] = []
+        self._stop(out, step, reason, broadcast=True)
+        return out
+
     def peer_down(self, peer: str, now: float = 0.0) -> list[Action]:
         """The mesh lost ``peer`` (heartbeat timeout or closed channel)."""
         out: list[Action] = []

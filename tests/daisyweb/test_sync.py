@@ -635,3 +635,16 @@ def test_leader_lost_before_the_first_roster_stops_followers_without_split_brain
     assert set(bus.stopped) == {"b", "c"}
     assert all("before the first roster" in bus.stopped[p].reason for p in "bc")
     assert not any(bus.machines[p].is_leader for p in "bc")
+
+
+
+def test_halt_broadcasts_and_stops_once() -> None:
+    bus = _trained(steps=5, upto=1)
+    m = bus.machines["b"]
+    before = bus.replicas["b"].weight_hash()
+    out = m.halt(m.boundary, "gradient computation failed")
+    halts = [a for a in out if isinstance(a, Send) and isinstance(a.message, wire.Halt)]
+    assert len(halts) == 1 and halts[0].message.reason == "gradient computation failed"
+    assert [a.reason for a in out if isinstance(a, Stopped)] == ["gradient computation failed"]
+    assert m.done and m.halt(m.boundary, "again") == []
+    assert bus.replicas["b"].weight_hash() == before
