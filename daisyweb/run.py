@@ -345,6 +345,7 @@ class _Driver:
         self.builtin_loaded = False
         self.last_loss = 0.0
         self.last_peers = 1
+        self.last_extra: dict[str, Any] = {}  # tokens_per_s and probe of the last step
         self.progress: Any = None
         self.result: tuple[int, str] | None = None
         self.dropped_once = False
@@ -832,6 +833,8 @@ class _Driver:
                      f"(training goes on): {exc}")
         self.last_loss = float(loss) if math.isfinite(loss) else 0.0
         self.last_peers = len(c.roster)
+        # Kept for the final report, so the dashboard still shows them after the run.
+        self.last_extra = {"tokens_per_s": float(tokens_per_s), "probe": c.probe_hash[:16]}
         with contextlib.suppress(Exception):
             await self.mesh.report_status(
                 step=c.step + 1, loss=self.last_loss,
@@ -864,7 +867,8 @@ class _Driver:
         with contextlib.suppress(Exception):
             await self.mesh.report_status(
                 step=self.state.step, loss=self.last_loss, hash=end["weight_hash"][:16],
-                peers=self.last_peers, state="done" if code == 0 else "halted")
+                peers=self.last_peers, state="done" if code == 0 else "halted",
+                **self.last_extra)
         if code == 0:
             _log(f"done at step {self.state.step}, weight hash {end['weight_hash'][:16]}"
                  + (f", saved {saved}" if saved else ""))
