@@ -269,9 +269,10 @@ function drawGroup(info) {
   const atTop = latest ? Object.values(reports).filter((r) => r.step === latest.step) : [];
   $("loss").textContent = atTop.length
     ? fmt(atTop.reduce((s, r) => s + r.loss, 0) / atTop.length, 4) : "–";
+  // Each peer reports the group's tokens/s as it measures it: show their mean.
   const tps = Object.values(reports).filter((r) => typeof r.tokens_per_s === "number");
   $("tokens").textContent = tps.length
-    ? fmt(tps.reduce((s, r) => s + r.tokens_per_s, 0), 0) : "–";
+    ? fmt(tps.reduce((s, r) => s + r.tokens_per_s, 0) / tps.length, 0) : "–";
   $("hash-summary").textContent = hv.summary || "–";
   $("hash-summary").className = hv.diverged ? "diverged" : hv.summary ? "ok" : "";
   $("probe-summary").textContent = pv.summary;
