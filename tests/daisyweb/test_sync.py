@@ -392,6 +392,20 @@ def test_probe_tie_halts() -> None:
     assert "no majority" in bus.stopped["a"].reason
 
 
+def test_leader_with_the_odd_probe_halts_everyone_naming_itself() -> None:
+    # The leader cannot exclude itself: if its own kernel is the odd one out the whole
+    # run stops, before any gradient (computed on that kernel) is used.
+    bus = Bus(["a", "b", "c"], steps=3, probes={"a": BAD_PROBE})
+    bus.start()
+    bus.run()
+    assert set(bus.stopped) == {"a", "b", "c"}
+    for p in "abc":
+        assert "leader a's kernel probe differs from the majority" in bus.stopped[p].reason
+        assert bus.stopped[p].step == 0
+        assert bus.replicas[p].step == 0 and not bus.commits[p]
+    assert not bus.excluded and not bus.finished and not bus.sent_grads
+
+
 def test_only_the_leader_names_rosters() -> None:
     bus = Bus(["a", "b", "c"], steps=3)
     bus.start()
