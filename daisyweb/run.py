@@ -22,7 +22,9 @@ them): ``DAISYWEB_TEST_BREAK_KERNEL=1`` (an int8 GEMM that is off by one),
 ``DAISYWEB_TEST_DUMP_GRADS=DIR`` (write each local gradient to DIR for the replay oracle),
 ``DAISYWEB_TEST_STEP_DELAY=SECONDS`` (sleep before each gradient, to widen the window for
 kill tests), ``DAISYWEB_TEST_GRADIENT_RAISES=S`` (the step-S gradient computation raises,
-as a kernel refusing a non-finite activation would).
+as a kernel refusing a non-finite activation would),
+``DAISYWEB_TEST_CORRUPT_SNAPSHOT=byte|hash`` (the leader flips one byte of every snapshot
+payload it sends, or announces a wrong weight hash with it).
 """
 
 from __future__ import annotations
@@ -127,6 +129,7 @@ class TestHooks:
     dump_grads: str | None = None
     step_delay: float = 0.0
     gradient_raises: int | None = None
+    corrupt_snapshot: str | None = None  # "byte" or "hash"
 
     @classmethod
     def from_env(cls, env: dict[str, str] | None = None) -> TestHooks:
@@ -147,6 +150,9 @@ class TestHooks:
             if kind not in ("nan", "short") or not s.isdigit():
                 raise PeerError(2, "DAISYWEB_TEST_CORRUPT_GRADIENT must be STEP:nan|short")
             corrupt = (int(s), kind)
+        snap = env.get("DAISYWEB_TEST_CORRUPT_SNAPSHOT") or None
+        if snap not in (None, "byte", "hash"):
+            raise PeerError(2, "DAISYWEB_TEST_CORRUPT_SNAPSHOT must be byte|hash")
         return cls(
             break_kernel=env.get("DAISYWEB_TEST_BREAK_KERNEL") == "1",
             drop_gradient=step_of("DAISYWEB_TEST_DROP_GRADIENT"),
@@ -155,6 +161,7 @@ class TestHooks:
             dump_grads=env.get("DAISYWEB_TEST_DUMP_GRADS") or None,
             step_delay=float(env.get("DAISYWEB_TEST_STEP_DELAY") or 0.0),
             gradient_raises=step_of("DAISYWEB_TEST_GRADIENT_RAISES"),
+            corrupt_snapshot=snap,
         )
 
 
@@ -797,8 +804,16 @@ class _Driver:
             _log(f"not sending a snapshot of step {step} from step {self.state.step}")
             return
         payload = checkpoint_to_bytes(self.state.checkpoint(self.tokinfo))
+        announced = self.state.weight_hash()
+        if self.hooks.corrupt_snapshot == "byte":
+            # Test hook: one flipped byte, which the follower must catch before using it.
+            data = bytearray(payload)
+            data[len(data) // 2] ^= 0x01
+            payload = bytes(data)
+        elif self.hooks.corrupt_snapshot == "hash":
+            announced = ("0" if announced[0] != "0" else "1") + announced[1:]
         self._send((peer,), self.state.run.to_wire())
-        self._send((peer,), wire.Snapshot(step, self.state.weight_hash(), payload))
+        self._send((peer,), wire.Snapshot(step, announced, payload))
         _log(f"sent snapshot of step {step} ({len(payload):,} bytes) to {peer}")
 
     async def _on_commit(self, c: sync.Commit) -> None:

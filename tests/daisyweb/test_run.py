@@ -661,3 +661,25 @@ def test_gradient_exception_in_a_real_peer_halts_every_peer(group: Group) -> Non
     assert f"halted at step 2: {bad.id()}: {why}" in lead.log.read_text()
     c = load_checkpoint(group.tmp / "lead.pt")
     assert c.step == 2 and c.weight_hash == lead.steps()[-1]["weight_hash"]
+
+
+@pytest.mark.parametrize("kind", ["byte", "hash"])
+def test_follower_refuses_a_bad_snapshot_from_a_real_leader(group: Group, kind: str) -> None:
+    # The leader (a test switch only it reads) sends a damaged payload or announces a
+    # wrong weight hash; the follower must refuse before its state machine starts.
+    lead = group.leader(*MODEL, "--steps", "3", "--wait-peers", "2",
+                        env={"DAISYWEB_TEST_CORRUPT_SNAPSHOT": kind})
+    f = group.spawn("f")
+    assert f.wait() == 1, group.logs()
+    log = f.log.read_text()
+    lines = [ln for ln in log.splitlines() if "refused the snapshot from" in ln]
+    assert len(lines) == 1, log
+    assert lines[0].startswith(f"daisyweb-peer: refused the snapshot from {lead.id()}: ")
+    if kind == "hash":
+        assert "weight hash or step does not match" in lines[0]
+    assert "Traceback" not in log
+    # Its state is never used: no step, no end record, no machine started.
+    assert f.records() == [] and "following" not in log
+    assert lead.wait() == 0, group.logs()
+    assert [r["roster"] for r in lead.steps()] == [[lead.id()]] * 3
+    assert "sent snapshot of step 0" in lead.log.read_text()
