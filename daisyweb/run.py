@@ -24,7 +24,13 @@ them): ``DAISYWEB_TEST_BREAK_KERNEL=1`` (an int8 GEMM that is off by one),
 kill tests), ``DAISYWEB_TEST_GRADIENT_RAISES=S`` (the step-S gradient computation raises,
 as a kernel refusing a non-finite activation would),
 ``DAISYWEB_TEST_CORRUPT_SNAPSHOT=byte|hash`` (the leader flips one byte of every snapshot
-payload it sends, or announces a wrong weight hash with it).
+payload it sends, or announces a wrong weight hash with it),
+``DAISYWEB_TEST_PROTOCOL_VERSION=N`` (this peer speaks protocol version N instead of
+``wire.PROTOCOL_VERSION``: it announces N in its Hello and refuses peers that do not).
+
+Version handshake: the first message to every newly connected peer is
+``Hello(self, version)``. A follower refuses a leader of another version (one line, exit
+1); the leader excludes a follower of another version (``sync.StepMachine``).
 """
 
 from __future__ import annotations
@@ -130,6 +136,7 @@ class TestHooks:
     step_delay: float = 0.0
     gradient_raises: int | None = None
     corrupt_snapshot: str | None = None  # "byte" or "hash"
+    protocol_version: int | None = None  # announce this instead of wire.PROTOCOL_VERSION
 
     @classmethod
     def from_env(cls, env: dict[str, str] | None = None) -> TestHooks:
@@ -150,6 +157,13 @@ class TestHooks:
             if kind not in ("nan", "short") or not s.isdigit():
                 raise PeerError(2, "DAISYWEB_TEST_CORRUPT_GRADIENT must be STEP:nan|short")
             corrupt = (int(s), kind)
+        version = None
+        if env.get("DAISYWEB_TEST_PROTOCOL_VERSION"):
+            v = env["DAISYWEB_TEST_PROTOCOL_VERSION"]
+            if not v.isdigit() or int(v) >= 1 << 32:
+                raise PeerError(2, f"DAISYWEB_TEST_PROTOCOL_VERSION must be a version "
+                                   f"number, got {v!r}")
+            version = int(v)
         snap = env.get("DAISYWEB_TEST_CORRUPT_SNAPSHOT") or None
         if snap not in (None, "byte", "hash"):
             raise PeerError(2, "DAISYWEB_TEST_CORRUPT_SNAPSHOT must be byte|hash")
@@ -162,6 +176,7 @@ class TestHooks:
             step_delay=float(env.get("DAISYWEB_TEST_STEP_DELAY") or 0.0),
             gradient_raises=step_of("DAISYWEB_TEST_GRADIENT_RAISES"),
             corrupt_snapshot=snap,
+            protocol_version=version,
         )
 
 
@@ -238,6 +253,11 @@ def _raising_gradient(batch: np.ndarray) -> tuple[float, np.ndarray]:
     from kernels import NonFiniteError
 
     raise NonFiniteError("test: injected gradient failure")
+
+
+def _is_hello(item: tuple[Any, ...]) -> bool:
+    return (item[0] == "mesh" and type(item[1]).__name__ == "Received"
+            and isinstance(item[1].message, wire.Hello))
 
 
 def _log(msg: str) -> None:
@@ -334,6 +354,8 @@ class _Driver:
         self.mesh_factory = mesh_factory
         self.opts = opts
         self.hooks = hooks
+        pv = hooks.protocol_version
+        self.version = wire.PROTOCOL_VERSION if pv is None else pv
         self.tok = tok
         self.tokinfo = tokinfo
         self.state = state
@@ -345,6 +367,9 @@ class _Driver:
         self.outboxes: dict[str, asyncio.Queue[wire.Message]] = {}
         self.senders: dict[str, asyncio.Task[None]] = {}
         self.connected: list[str] = []
+        # Peers whose Hello arrived on the current link: the leader offers a snapshot
+        # only after it, so a peer of another version is refused before it gets one.
+        self.hello_from: set[str] = set()
         self.tasks: list[asyncio.Task[Any]] = []
         self.sampler: Any = None
         self.pending_tokens: deque[np.ndarray] = deque()
@@ -470,10 +495,12 @@ class _Driver:
         deadline = time.monotonic() + self.opts.join_timeout
         ups: list[str] = []
         held: list[tuple[Any, ...]] = []
-        while len(ups) + 1 < self.opts.wait_peers:
+        # A peer counts once its link is up and its Hello arrived (a peer of another
+        # version counts too: it is excluded as soon as the machine starts).
+        while len(ready := [p for p in ups if p in self.hello_from]) + 1 < self.opts.wait_peers:
             left = deadline - time.monotonic()
             if left <= 0:
-                raise PeerError(3, f"only {len(ups) + 1} of {self.opts.wait_peers} peers "
+                raise PeerError(3, f"only {len(ready) + 1} of {self.opts.wait_peers} peers "
                                    f"joined within {self.opts.join_timeout:g} s")
             try:
                 item = await asyncio.wait_for(self.queue.get(), left)
@@ -487,19 +514,30 @@ class _Driver:
                     continue
                 if kind == "PeerDown" and item[1].peer in ups:
                     ups.remove(item[1].peer)
+                    self.hello_from.discard(item[1].peer)
+                if _is_hello(item) and item[1].message.peer_id == item[1].peer:
+                    self.hello_from.add(item[1].peer)
             held.append(item)
         self.machine = sync.StepMachine(
             self.mesh.self_id, self.replica, run.steps, _probe, leader=self.mesh.self_id,
-            repair_after=self.opts.repair_after, join_timeout=self.opts.join_timeout)
+            repair_after=self.opts.repair_after, join_timeout=self.opts.join_timeout,
+            version=self.version)
         _log(f"leading: {self.state.size:,} parameters, {run.steps} steps, "
              f"from step {self.state.step}")
         self._begin_progress()
+        # Hellos first: a peer of another version is excluded before it is offered a
+        # snapshot or a place in the first roster.
+        hellos = [i for i in held if _is_hello(i)]
+        for item in hellos:
+            await self._handle(item)
         now = time.monotonic()
         for p in ups:
-            await self._do(self.machine.peer_up(p, now))
+            if p in self.hello_from:  # the others are announced when their Hello comes
+                await self._do(self.machine.peer_up(p, now))
         await self._do(self.machine.start(now))
         for item in held:
-            await self._handle(item)
+            if not _is_hello(item):
+                await self._handle(item)
 
     async def _start_follower(self) -> None:
         """Wait for Config + Snapshot from a leader; buffer everything else meanwhile."""
@@ -509,6 +547,7 @@ class _Driver:
         deadline = time.monotonic() + self.opts.join_timeout
         held: deque[tuple[Any, ...]] = deque(maxlen=BUFFER_BEFORE_START)
         configs: dict[str, wire.Config] = {}
+        versions: dict[str, int] = {}  # peers whose Hello announced another version
         while True:
             left = deadline - time.monotonic()
             if left <= 0:
@@ -532,6 +571,17 @@ class _Driver:
             if kind != "Received":
                 continue
             msg = ev.message
+            if isinstance(msg, wire.Hello):
+                if msg.peer_id == ev.peer and msg.version != self.version:
+                    versions[ev.peer] = msg.version
+                held.append(item)  # the state machine refuses a non-leader one later
+                continue
+            if ev.peer in versions and isinstance(msg, (wire.Config, wire.Snapshot,
+                                                         wire.Halt)):
+                # Only a leader sends these (a Halt: it excluded us for our version).
+                raise PeerError(1, f"refused the leader {ev.peer}: it speaks protocol "
+                                   f"version {versions[ev.peer]}, this peer speaks "
+                                   f"{self.version}")
             if isinstance(msg, wire.Config):
                 configs[ev.peer] = msg
                 continue
@@ -555,7 +605,8 @@ class _Driver:
         self._make_sampler(run)
         self.machine = sync.StepMachine(
             self.mesh.self_id, self.replica, run.steps, _probe, leader=leader,
-            repair_after=self.opts.repair_after, join_timeout=self.opts.join_timeout)
+            repair_after=self.opts.repair_after, join_timeout=self.opts.join_timeout,
+            version=self.version)
         _log(f"following {leader}: {state.size:,} parameters, from step {state.step} "
              f"of {run.steps} (snapshot {msg.weight_hash[:16]} verified)")
         self._begin_progress()
@@ -635,11 +686,19 @@ class _Driver:
     def _peer_connected(self, peer: str) -> None:
         if peer not in self.connected:
             self.connected.append(peer)
-        self.outboxes.setdefault(peer, asyncio.Queue())
+        box = self.outboxes.setdefault(peer, asyncio.Queue())
         if peer not in self.senders:
+            # The Hello goes out first on a new link, ahead of anything held for it.
+            held = [box.get_nowait() for _ in range(box.qsize())]
+            for _ in held:
+                box.task_done()
+            box.put_nowait(wire.Hello(self.mesh.self_id, self.version))
+            for m in held:
+                box.put_nowait(m)
             self.senders[peer] = asyncio.create_task(self._sender(peer))
 
     def _peer_gone(self, peer: str) -> None:
+        self.hello_from.discard(peer)  # a new link starts with a new Hello
         if peer in self.connected:
             self.connected.remove(peer)
         self.outboxes.pop(peer, None)
@@ -738,13 +797,18 @@ class _Driver:
             ev = item[1]
             name = type(ev).__name__
             if name == "Received":
-                if isinstance(ev.message, (wire.Config, wire.Snapshot, wire.Heartbeat,
-                                           wire.Hello)):
+                msg = ev.message
+                if isinstance(msg, (wire.Config, wire.Snapshot, wire.Heartbeat)):
                     return  # start handshake messages after the start: nothing to do
-                await self._do(m.message(ev.peer, ev.message, now))
+                await self._do(m.message(ev.peer, msg, now))
+                if isinstance(msg, wire.Hello) and msg.peer_id == ev.peer:
+                    self.hello_from.add(ev.peer)
+                    if ev.peer in self.connected:  # no-op unless leading (or excluded)
+                        await self._do(m.peer_up(ev.peer, now))
             elif name == "PeerUp":
                 self._peer_connected(ev.peer)
-                await self._do(m.peer_up(ev.peer, now))
+                if ev.peer in self.hello_from:
+                    await self._do(m.peer_up(ev.peer, now))
             elif name == "PeerDown":
                 self._peer_gone(ev.peer)
                 _log(f"peer {ev.peer} down ({getattr(ev, 'reason', '?')})")
@@ -754,7 +818,8 @@ class _Driver:
                     _log(f"leading now from step {m.boundary} (the leader was lost)")
                     # Peers still waiting for a snapshot were announced to the old leader.
                     for p in list(self.connected):
-                        await self._do(m.peer_up(p, now))
+                        if p in self.hello_from:
+                            await self._do(m.peer_up(p, now))
             elif name == "BadMessage":
                 _log(f"refused a message from {ev.peer}: {ev.error}")
 

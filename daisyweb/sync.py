@@ -48,6 +48,10 @@ Failures (part 2)
 - Join: a peer announced with :meth:`StepMachine.peer_up` is sent a snapshot at the next
   boundary (the driver builds it: :class:`SendSnapshot`); once its ``StepHashes`` for
   that boundary match, it is a member from that step on.
+- Protocol version: each peer's first message on a new link is ``Hello(self, version)``.
+  A peer announcing another version is never listened to again: the leader excludes it
+  (it never enters a roster), a follower stops if it is the leader, and otherwise
+  ignores it. Messages that arrive before a Hello are handled as usual.
 """
 
 from __future__ import annotations
@@ -217,8 +221,10 @@ class StepMachine:
         repair_after: float = 2.0,
         join_timeout: float = 30.0,
         history: int = HISTORY,
+        version: int = wire.PROTOCOL_VERSION,
     ) -> None:
         self.self_id = self_id
+        self.version = version  # what this peer speaks (a test hook may change it)
         self.replica = replica
         self.total_steps = total_steps
         self.probe = probe
@@ -294,7 +300,9 @@ class StepMachine:
         out: list[Action] = []
         if self.done or peer in self._excluded:
             return out
-        if isinstance(msg, wire.StepHashes):
+        if isinstance(msg, wire.Hello):
+            self._on_hello(out, peer, msg)
+        elif isinstance(msg, wire.StepHashes):
             self._on_hashes(out, peer, msg)
         elif isinstance(msg, wire.Roster):
             self._rosters_seen[(peer, msg.step)] = msg.members
@@ -435,6 +443,26 @@ class StepMachine:
             for p, (w, pr, rh) in self._hashes.get(b, {}).items()
             if rh == mine or (rh == wire.NO_ROSTER and self._offered.get(p) == b)
         }
+
+    def _on_hello(self, out: list[Action], peer: str, msg: wire.Hello) -> None:
+        if msg.peer_id != peer or msg.version == self.version:
+            return  # a Hello speaks only for its sender; same version: nothing to do
+        reason = (f"{peer} speaks protocol version {msg.version}, "
+                  f"{self.self_id} speaks {self.version}")
+        if peer == self.leader and not self.is_leader:
+            self._stop(out, self.boundary, f"refused the leader: {reason}", broadcast=False)
+            return
+        self._pending.pop(peer, None)
+        self._offered.pop(peer, None)
+        if self.is_leader:
+            self._exclude(out, self.boundary, peer, reason)
+            return
+        # A follower cannot take anyone out of the roster, but never uses its messages
+        # (and never picks it as the next leader); the leader excludes it too.
+        self._excluded.add(peer)
+        if peer in self.participants:
+            self.participants.remove(peer)
+        out.append(Excluded(peer, reason))
 
     def _on_hashes(self, out: list[Action], peer: str, msg: wire.StepHashes) -> None:
         if msg.sender != peer:

@@ -683,3 +683,28 @@ def test_follower_refuses_a_bad_snapshot_from_a_real_leader(group: Group, kind: 
     assert lead.wait() == 0, group.logs()
     assert [r["roster"] for r in lead.steps()] == [[lead.id()]] * 3
     assert "sent snapshot of step 0" in lead.log.read_text()
+
+
+@pytest.mark.parametrize("who", ["follower", "leader"])
+def test_peers_of_another_protocol_version_are_refused(group: Group, who: str) -> None:
+    # One side speaks version 999 (a test switch); each side refuses the other with one
+    # line naming both versions, and the leader trains on without the follower.
+    v999 = {"DAISYWEB_TEST_PROTOCOL_VERSION": "999"}
+    lead = group.leader(*MODEL, "--steps", "3", "--wait-peers", "2",
+                        env=v999 if who == "leader" else None)
+    f = group.spawn("f", env=v999 if who == "follower" else None)
+    assert f.wait() == 1, group.logs()
+    assert lead.wait() == 0, group.logs()
+    lv, fv = (999, 1) if who == "leader" else (1, 999)
+    flog, llog = f.log.read_text(), lead.log.read_text()
+    want = (f"daisyweb-peer: refused the leader {lead.id()}: it speaks protocol version "
+            f"{lv}, this peer speaks {fv}")
+    assert [ln for ln in flog.splitlines() if "refused" in ln] == [want], flog
+    assert (f"excluded {f.id()}: {f.id()} speaks protocol version {fv}, "
+            f"{lead.id()} speaks {lv}") in llog
+    for log in (flog, llog):
+        assert "Traceback" not in log
+    # Nothing of the other version was used: no snapshot, no roster, no state.
+    assert f.records() == [] and "following" not in flog
+    assert "sent snapshot" not in llog
+    assert [r["roster"] for r in lead.steps()] == [[lead.id()]] * 3

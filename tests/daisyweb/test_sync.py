@@ -662,3 +662,57 @@ def test_halt_broadcasts_and_stops_once() -> None:
     assert [a.reason for a in out if isinstance(a, Stopped)] == ["gradient computation failed"]
     assert m.done and m.halt(m.boundary, "again") == []
     assert bus.replicas["b"].weight_hash() == before
+
+
+# --------------------------------------------------------------------------- versions
+
+
+def _hello_first(bus: Bus, src: str, version: int, to: str = "") -> None:
+    """Queue ``src``'s Hello ahead of everything else on its links (as the driver does)."""
+    for dst in [to] if to else [q for q in bus.machines if q != src]:
+        q = bus.queues.setdefault((src, dst), deque())
+        q.appendleft(wire.encode(wire.Hello(src, version)))
+
+
+def test_leader_excludes_a_follower_of_another_protocol_version() -> None:
+    bus = Bus(["a", "b", "c"], steps=3)
+    _hello_first(bus, "c", 999)
+    bus.start()
+    bus.run()
+    why = "c speaks protocol version 999, a speaks 1"
+    assert [(e.peer, e.reason) for e in bus.excluded if e.reason == why] == [("c", why)]
+    assert "c" in bus.stopped and why in bus.stopped["c"].reason  # told by the leader
+    assert set(bus.finished) == {"a", "b"}, bus.stopped
+    for p in "ab":
+        assert all(c.roster == ("a", "b") for c in bus.commits[p])
+    assert not any(k[0] == "c" for k in bus.sent_grads)
+    assert _final_hashes(bus, ["a", "b"]) == {
+        replay(initial_params(), ADAM, bus.oracle_steps("a"))
+    }
+
+
+def test_follower_refuses_a_leader_of_another_protocol_version() -> None:
+    bus = Bus(["a", "b", "c"], steps=3)
+    _hello_first(bus, "a", 999, to="b")
+    bus.start()
+    bus.run()
+    why = "refused the leader: a speaks protocol version 999, b speaks 1"
+    assert bus.stopped["b"].reason == why
+    assert not bus.commits["b"] and bus.replicas["b"].step == 0
+    bus.kill("b")  # the driver exits non-zero; the others go on without it
+    bus.run()
+    assert set(bus.finished) == {"a", "c"}, bus.stopped
+    assert bus.commits["a"][-1].roster == ("a", "c")
+
+
+def test_same_version_or_forged_hello_changes_nothing() -> None:
+    bus = Bus(["a", "b", "c"], steps=3)
+    for p in "abc":
+        _hello_first(bus, p, wire.PROTOCOL_VERSION)
+    # A Hello speaks only for its sender: b cannot get c excluded in c's name.
+    bus.queues[("b", "a")].append(wire.encode(wire.Hello("c", 999)))
+    bus.start()
+    bus.run()
+    assert set(bus.finished) == {"a", "b", "c"}, bus.stopped
+    assert not bus.excluded
+    assert all(len(c.roster) == 3 for c in bus.commits["a"])
