@@ -708,3 +708,16 @@ def test_peers_of_another_protocol_version_are_refused(group: Group, who: str) -
     assert f.records() == [] and "following" not in flog
     assert "sent snapshot" not in llog
     assert [r["roster"] for r in lead.steps()] == [[lead.id()]] * 3
+
+
+def test_snapshot_and_version_switches_come_from_the_environment_only() -> None:
+    h = run.TestHooks.from_env({"DAISYWEB_TEST_CORRUPT_SNAPSHOT": "hash",
+                                "DAISYWEB_TEST_PROTOCOL_VERSION": "999"})
+    assert (h.corrupt_snapshot, h.protocol_version) == ("hash", 999)
+    assert run.TestHooks.from_env({}).protocol_version is None
+    for env in ({"DAISYWEB_TEST_CORRUPT_SNAPSHOT": "zero"},
+                {"DAISYWEB_TEST_PROTOCOL_VERSION": "-1"},
+                {"DAISYWEB_TEST_PROTOCOL_VERSION": str(1 << 32)}):
+        with pytest.raises(run.PeerError) as exc:
+            run.TestHooks.from_env(env)
+        assert exc.value.code == 2 and next(iter(env)) in str(exc.value)
