@@ -69,6 +69,21 @@ def _check_merges(raw: object, where: object) -> list[tuple[int, int]]:
     return merges
 
 
+def _merge_pair(ids: list[int], pair: tuple[int, int], new_id: int) -> list[int]:
+    """``ids`` with every non-overlapping occurrence of ``pair`` (left to right) replaced
+    by ``new_id``: the one merge rule shared by encoding and training."""
+    out: list[int] = []
+    i, n = 0, len(ids)
+    while i < n:
+        if i + 1 < n and ids[i] == pair[0] and ids[i + 1] == pair[1]:
+            out.append(new_id)
+            i += 2
+        else:
+            out.append(ids[i])
+            i += 1
+    return out
+
+
 class Tokenizer:
     """Byte-level BPE with a per-word cache (encoding a few MB takes seconds)."""
 
@@ -151,16 +166,7 @@ class Tokenizer:
             new_id, pair = best
             if new_id == 1 << 30:
                 break
-            out: list[int] = []
-            i, n = 0, len(ids)
-            while i < n:
-                if i + 1 < n and ids[i] == pair[0] and ids[i + 1] == pair[1]:
-                    out.append(new_id)
-                    i += 2
-                else:
-                    out.append(ids[i])
-                    i += 1
-            ids = out
+            ids = _merge_pair(ids, pair, new_id)
         return tuple(ids)
 
     def encode(self, text: str) -> np.ndarray:
@@ -249,15 +255,7 @@ def train_bpe(text: str, vocab_size: int, *, pattern: str = PATTERN) -> list[tup
             for p in zip(ids, ids[1:], strict=False):
                 pair_count[p] -= f
                 touched[p] -= f
-            out: list[int] = []
-            i, n = 0, len(ids)
-            while i < n:
-                if i + 1 < n and ids[i] == pair[0] and ids[i + 1] == pair[1]:
-                    out.append(new_id)
-                    i += 2
-                else:
-                    out.append(ids[i])
-                    i += 1
+            out = _merge_pair(ids, pair, new_id)
             words[wi] = out
             for p in zip(out, out[1:], strict=False):
                 pair_count[p] += f
