@@ -15,22 +15,11 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import aiohttp
-import pytest
 from aiohttp import web
 from playwright.async_api import BrowserContext, async_playwright
 
 from signaling.server import create_app
 
-CHROMIUM = Path("/usr/bin/chromium")
-CHROMIUM_ARGS = [
-    "--headless",
-    "--no-sandbox",
-    "--disable-gpu",
-    "--no-first-run",
-    "--disable-background-networking",
-    "--disable-component-update",
-    "--disable-sync",
-]
 ROOM = "dash-room"
 
 
@@ -90,12 +79,7 @@ class Room:
     decisions: list[dict] = field(default_factory=list)
 
 
-async def test_dashboard_in_chromium(tmp_path: Path) -> None:
-    if not CHROMIUM.is_file():
-        pytest.fail(
-            f"{CHROMIUM} is missing: the dashboard test needs Debian's chromium package "
-            "(run: bash scripts/install-system.sh, or apt-get install chromium)"
-        )
+async def test_dashboard_in_chromium(tmp_path: Path, chromium) -> None:
     runner = web.AppRunner(create_app())
     await runner.setup()
     site = web.TCPSite(runner, "127.0.0.1", 0)
@@ -122,13 +106,7 @@ async def test_dashboard_in_chromium(tmp_path: Path) -> None:
             asyncio.create_task(reporter(host, room.stop, room.steps)),
         ]
         async with async_playwright() as pw:
-            ctx = await pw.chromium.launch_persistent_context(
-                str(tmp_path / "profile"),  # fresh user-data-dir
-                executable_path=str(CHROMIUM),
-                headless=True,
-                args=CHROMIUM_ARGS,
-                viewport={"width": 1100, "height": 900},
-            )
+            ctx = await chromium(pw, {"width": 1100, "height": 900})
             try:
                 await _drive(ctx, room, join, tmp_path)
             finally:

@@ -27,16 +27,6 @@ import pytest
 from playwright.async_api import Page, async_playwright
 
 ROOT = Path(__file__).resolve().parents[1]
-CHROMIUM = Path("/usr/bin/chromium")
-CHROMIUM_ARGS = [
-    "--headless",
-    "--no-sandbox",
-    "--disable-gpu",
-    "--no-first-run",
-    "--disable-background-networking",
-    "--disable-component-update",
-    "--disable-sync",
-]
 ROOM = "demo-dash"
 STEPS = 40
 MODEL = ["--width", "16", "--layers", "1", "--heads", "2", "--seq", "16", "--batch", "2",
@@ -134,12 +124,7 @@ async def _post_decide(page: Page, body: dict) -> int:
     )
 
 
-async def test_dashboard_drives_a_real_group(tmp_path: Path) -> None:
-    if not CHROMIUM.is_file():
-        pytest.fail(
-            f"{CHROMIUM} is missing: the dashboard test needs Debian's chromium package "
-            "(run: bash scripts/install-system.sh, or apt-get install chromium)"
-        )
+async def test_dashboard_drives_a_real_group(tmp_path: Path, chromium) -> None:
     t0 = time.monotonic()
     server_proc, url = await _start_server(tmp_path)
     procs: list[Proc] = []
@@ -150,13 +135,7 @@ async def test_dashboard_drives_a_real_group(tmp_path: Path) -> None:
         assert link.startswith(url + "/?"), link  # the host links to this server only
         key = parse_qs(urlsplit(link).query)["key"][0]
         async with async_playwright() as pw:
-            ctx = await pw.chromium.launch_persistent_context(
-                str(tmp_path / "profile"),  # fresh user-data-dir
-                executable_path=str(CHROMIUM),
-                headless=True,
-                args=CHROMIUM_ARGS,
-                viewport={"width": 1100, "height": 1000},
-            )
+            ctx = await chromium(pw, {"width": 1100, "height": 1000})
             requests: list[str] = []
             ctx.on("request", lambda r: requests.append(r.url))
             errors: list[str] = []
