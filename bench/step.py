@@ -73,7 +73,8 @@ def numpy_step(case: Case) -> Callable[[], float]:
 def torch_step(case: Case) -> Callable[[], float]:
     """The same model, initial weights and batch in PyTorch CPU float32."""
     import torch
-    import torch.nn.functional as F
+
+    from bench.torch_gpt import torch_loss
 
     torch.set_num_threads(TORCH_THREADS)
     cfg = case.cfg
@@ -88,28 +89,9 @@ def torch_step(case: Case) -> Callable[[], float]:
                             weight_decay=0.0)
     batch = torch.tensor(_batch(case), dtype=torch.long)
     inp, tgt = batch[:, :-1], batch[:, 1:].reshape(-1)
-    b, t = inp.shape
-    c, h = cfg.width, cfg.heads
-    d = c // h
-    causal = torch.ones(t, t, dtype=torch.bool).triu(1)
-    p = tensors
 
     def step() -> float:
-        x = p["wte"][inp] + p["wpe"][:t]
-        for i in range(cfg.layers):
-            q_ = f"h{i}."
-            y = F.layer_norm(x, (c,), p[q_ + "ln1.g"], p[q_ + "ln1.b"], eps=1e-5)
-            qkv = y @ p[q_ + "attn.w_qkv"] + p[q_ + "attn.b_qkv"]
-            q, k, v = (z.view(b, t, h, d).transpose(1, 2) for z in qkv.split(c, dim=-1))
-            att = (q @ k.transpose(-2, -1)) / math.sqrt(d)
-            att = att.masked_fill(causal, float("-inf")).softmax(dim=-1)
-            y = (att @ v).transpose(1, 2).reshape(b, t, c)
-            x = x + y @ p[q_ + "attn.w_out"] + p[q_ + "attn.b_out"]
-            y = F.layer_norm(x, (c,), p[q_ + "ln2.g"], p[q_ + "ln2.b"], eps=1e-5)
-            y = F.gelu(y @ p[q_ + "mlp.w_in"] + p[q_ + "mlp.b_in"], approximate="tanh")
-            x = x + y @ p[q_ + "mlp.w_out"] + p[q_ + "mlp.b_out"]
-        x = F.layer_norm(x, (c,), p["lnf.g"], p["lnf.b"], eps=1e-5)
-        loss = F.cross_entropy((x @ p["head.w"]).reshape(-1, cfg.vocab), tgt)
+        loss = torch_loss(cfg, tensors, inp, tgt)
         opt.zero_grad(set_to_none=True)
         loss.backward()
         opt.step()

@@ -10,9 +10,9 @@ import sys
 import numpy as np
 import pytest
 import torch
-import torch.nn.functional as F
 
 import kernels
+from bench.torch_gpt import torch_loss
 from daisyweb import model
 from daisyweb.model import (
     ModelConfig,
@@ -164,7 +164,7 @@ def test_exact_mode_is_float64_and_unquantized(monkeypatch: pytest.MonkeyPatch) 
 
 def _torch_loss_and_grad(cfg: ModelConfig, flat_np: np.ndarray, batch: np.ndarray
                          ) -> tuple[float, np.ndarray]:
-    """The same architecture written independently in PyTorch float32 (autograd)."""
+    """The same architecture in PyTorch float32 (bench.torch_gpt), gradients by autograd."""
     flat = torch.tensor(flat_np, dtype=torch.float32, requires_grad=True)
     p: dict[str, torch.Tensor] = {}
     off = 0
@@ -174,26 +174,7 @@ def _torch_loss_and_grad(cfg: ModelConfig, flat_np: np.ndarray, batch: np.ndarra
         off += n
     inp = torch.tensor(batch[:, :-1], dtype=torch.long)
     tgt = torch.tensor(batch[:, 1:], dtype=torch.long)
-    b, t = inp.shape
-    c, h = cfg.width, cfg.heads
-    d = c // h
-    causal = torch.ones(t, t, dtype=torch.bool).triu(1)
-    x = p["wte"][inp] + p["wpe"][:t]
-    for i in range(cfg.layers):
-        q_ = f"h{i}."
-        y = F.layer_norm(x, (c,), p[q_ + "ln1.g"], p[q_ + "ln1.b"], eps=1e-5)
-        qkv = y @ p[q_ + "attn.w_qkv"] + p[q_ + "attn.b_qkv"]
-        q, k, v = (z.view(b, t, h, d).transpose(1, 2) for z in qkv.split(c, dim=-1))
-        att = (q @ k.transpose(-2, -1)) / math.sqrt(d)
-        att = att.masked_fill(causal, float("-inf")).softmax(dim=-1)
-        y = (att @ v).transpose(1, 2).reshape(b, t, c)
-        x = x + y @ p[q_ + "attn.w_out"] + p[q_ + "attn.b_out"]
-        y = F.layer_norm(x, (c,), p[q_ + "ln2.g"], p[q_ + "ln2.b"], eps=1e-5)
-        y = F.gelu(y @ p[q_ + "mlp.w_in"] + p[q_ + "mlp.b_in"], approximate="tanh")
-        x = x + y @ p[q_ + "mlp.w_out"] + p[q_ + "mlp.b_out"]
-    x = F.layer_norm(x, (c,), p["lnf.g"], p["lnf.b"], eps=1e-5)
-    logits = x @ p["head.w"]
-    loss = F.cross_entropy(logits.reshape(-1, cfg.vocab), tgt.reshape(-1))
+    loss = torch_loss(cfg, p, inp, tgt)
     loss.backward()
     assert flat.grad is not None
     return float(loss.item()), flat.grad.numpy().copy()
