@@ -1,6 +1,6 @@
 """Loss curve of one-peer training at the default config on the built-in corpus.
 
-Runs the same loop as ``daisyweb-demo --peers 1`` (``daisyweb.train.train_local``) and
+Runs the same loop as ``daisyweb-demo --peers 1`` (``daisyweb.training.train.train_local``) and
 records the training loss every step plus a held-out loss (a fixed set of batches from
 the last 5% of the corpus, never trained on) at a few points.
 
@@ -17,10 +17,10 @@ import time
 import numpy as np
 
 from bench._results import machine, write_section
-from daisyweb.checkpoint import TokenizerInfo
+from daisyweb.checkpoints.checkpoint import TokenizerInfo
 from daisyweb.data import BatchSampler, builtin_tokens, default_tokenizer
 from daisyweb.model import ModelConfig, loss_only
-from daisyweb.train import RunConfig, StepRecord, TrainState, train_local
+from daisyweb.training.train import RunConfig, StepRecord, TrainState, train_local
 
 
 def main() -> None:

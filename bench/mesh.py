@@ -112,8 +112,8 @@ def _wire_child(conn: Connection, url: str, rounds: int, count: int, prof_path: 
 
 
 async def _wire_receiver(conn: Connection, url: str, rounds: int, count: int, prof: str) -> None:
-    from daisyweb import wire
-    from daisyweb.mesh import Mesh, Received
+    from daisyweb.net.mesh import Mesh, Received
+    from daisyweb.protocol import wire
 
     m = Mesh(url, room=ROOM, name="rx", ice_hosts=[LOOPBACK])
     await m.start()
@@ -140,8 +140,8 @@ async def _wire_receiver(conn: Connection, url: str, rounds: int, count: int, pr
 async def _wire_rounds(cfg: Config, rounds: int, profile: bool) -> tuple[list[float], Any]:
     from aiohttp import web
 
-    from daisyweb import wire
-    from daisyweb.mesh import Mesh, PeerUp, Received
+    from daisyweb.net.mesh import Mesh, PeerUp, Received
+    from daisyweb.protocol import wire
     from signaling.server import create_app
 
     runner = web.AppRunner(create_app())
@@ -215,7 +215,7 @@ def _raw_child(conn: Connection, total: int, rounds: int) -> None:
 async def _raw_receiver(conn: Connection, total: int, rounds: int) -> None:
     from aiortc import RTCPeerConnection, RTCSessionDescription
 
-    from daisyweb import ice
+    from daisyweb.net import ice
 
     ice.restrict_host_candidates([LOOPBACK])
     pc = RTCPeerConnection(ice.rtc_configuration())
@@ -247,8 +247,8 @@ async def _raw_receiver(conn: Connection, total: int, rounds: int) -> None:
 async def _raw_rounds(cfg: Config) -> list[float]:
     from aiortc import RTCPeerConnection, RTCSessionDescription
 
-    from daisyweb import ice
-    from daisyweb.mesh import SEND_HIGH_WATER, SEND_LOW_WATER
+    from daisyweb.net import ice
+    from daisyweb.net.mesh import SEND_HIGH_WATER, SEND_LOW_WATER
 
     ice.restrict_host_candidates([LOOPBACK])
     payload = _payload(cfg.size)
@@ -360,7 +360,7 @@ def measure_tcp(cfg: Config) -> Row:
 
 def codec_ms(size: int, repeats: int = 5) -> tuple[float, float]:
     """Best-of-N ms for our wire's own work on one message: (send side, receive side)."""
-    from daisyweb import wire
+    from daisyweb.protocol import wire
 
     msg = wire.Gradient(step=0, sender="bench", payload=_payload(size))
     tx = rx = float("inf")

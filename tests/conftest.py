@@ -12,7 +12,7 @@ from typing import Any
 
 import pytest
 
-from daisyweb import ice
+from daisyweb.net import ice
 
 os.environ[ice.ENV_VAR] = "127.0.0.1"
 

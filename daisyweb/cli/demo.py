@@ -23,10 +23,10 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import IO
 
-from daisyweb.checkpoint import CheckpointError, TokenizerInfo
+from daisyweb.checkpoints.checkpoint import CheckpointError, TokenizerInfo
 from daisyweb.data import BatchSampler, builtin_tokens, default_tokenizer
 from daisyweb.model import ModelConfig
-from daisyweb.train import (
+from daisyweb.training.train import (
     MetricsWriter,
     Progress,
     RunConfig,

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import numpy as np
 
-from daisyweb.checkpoint import CheckpointError, TokenizerInfo, load_checkpoint
+from daisyweb.checkpoints.checkpoint import CheckpointError, TokenizerInfo, load_checkpoint
 from daisyweb.data import Tokenizer, default_tokenizer
 from daisyweb.model import ModelConfig, forward
 

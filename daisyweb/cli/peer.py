@@ -133,7 +133,7 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
 def main(argv: Sequence[str] | None = None) -> int:
     args = parse_args(argv)
     # Imported late so that flag errors are instant and never pay for numpy/aiortc.
-    from daisyweb import run
+    from daisyweb.peer import run
 
     try:
         return asyncio.run(run.run_peer(run.options_from_args(args)))

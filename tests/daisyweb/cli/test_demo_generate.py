@@ -2,7 +2,7 @@ import json
 
 import pytest
 
-from daisyweb.checkpoint import load_checkpoint
+from daisyweb.checkpoints.checkpoint import load_checkpoint
 from daisyweb.cli import demo, generate
 
 TINY = ["--width", "16", "--layers", "1", "--heads", "2", "--seq", "16", "--batch", "2"]
@@ -154,7 +154,7 @@ def test_readiness_fails_when_the_server_process_died() -> None:
 
 def _patch_loss(monkeypatch, at: int, effect) -> None:
     """Make the model's loss_and_grad misbehave on its ``at``-th call (= step ``at``)."""
-    import daisyweb.train as train
+    import daisyweb.training.train as train
 
     real = train.loss_and_grad
     calls = [0]

@@ -24,13 +24,15 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from daisyweb import mesh, run, wire
-from daisyweb.checkpoint import Checkpoint, load_checkpoint
+from daisyweb.checkpoints.checkpoint import Checkpoint, load_checkpoint
 from daisyweb.model import init_params
-from daisyweb.replay import replay_hashes
-from daisyweb.train import RunConfig
+from daisyweb.net import mesh
+from daisyweb.peer import run
+from daisyweb.protocol import wire
+from daisyweb.training.replay import replay_hashes
+from daisyweb.training.train import RunConfig
 
-ROOT = Path(__file__).resolve().parents[2]
+ROOT = Path(__file__).resolve().parents[3]
 MODEL = ["--width", "16", "--layers", "1", "--heads", "2", "--seq", "16", "--batch", "2",
          "--lr", "0.01", "--seed", "3"]
 TIMEOUT = 120.0
@@ -602,7 +604,7 @@ def test_in_process_gradient_exception_halts_the_group(tmp_path: Path, server: s
 def test_in_process_save_failures_warn_then_fail_the_end(
         tmp_path: Path, server: str, monkeypatch: pytest.MonkeyPatch,
         capsys: pytest.CaptureFixture) -> None:
-    import daisyweb.checkpoint as checkpoint
+    import daisyweb.checkpoints.checkpoint as checkpoint
 
     out = tmp_path / "out"
     out.mkdir()

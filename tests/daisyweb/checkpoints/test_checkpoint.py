@@ -11,8 +11,7 @@ import numpy as np
 import pytest
 import torch
 
-from daisyweb import wire
-from daisyweb.checkpoint import (
+from daisyweb.checkpoints.checkpoint import (
     FORMAT_VERSION,
     MAGIC,
     Checkpoint,
@@ -27,9 +26,10 @@ from daisyweb.checkpoint import (
     restore_optimizer,
     save_checkpoint,
 )
+from daisyweb.checkpoints.ptfile import PtFormatError, load_pt, save_pt
 from daisyweb.model import ModelConfig, param_count, param_layout
 from daisyweb.optim import AdamConfig, DaisyAdam, weight_hash
-from daisyweb.ptfile import PtFormatError, load_pt, save_pt
+from daisyweb.protocol import wire
 
 MODEL = ModelConfig(vocab=50, width=8, layers=1, heads=2, seq=4)
 TOK = TokenizerInfo(vocab_size=50, file_hash="ab" * 32)
@@ -203,7 +203,7 @@ def test_torch_load_weights_only(tmp_path):
 def test_checkpoint_module_never_imports_torch(tmp_path):
     code = (
         "import sys, numpy as np\n"
-        "from daisyweb.checkpoint import *\n"
+        "from daisyweb.checkpoints.checkpoint import *\n"
         "from daisyweb.model import ModelConfig, param_count\n"
         "from daisyweb.optim import AdamConfig, DaisyAdam\n"
         "m = ModelConfig(vocab=50, width=8, layers=1, heads=2, seq=4)\n"
@@ -415,7 +415,7 @@ def test_malicious_reduce_refused_and_not_run(tmp_path):
     ("builtins", "eval"), ("builtins", "getattr"), ("numpy.core.multiarray", "_reconstruct"),
     ("numpy", "dtype"), ("torch", "load"), ("torch._utils", "_rebuild_parameter"),
     ("torch.nn.modules.linear", "Linear"), ("collections", "defaultdict"),
-    ("daisyweb.checkpoint", "save_checkpoint")])
+    ("daisyweb.checkpoints.checkpoint", "save_checkpoint")])
 def test_unknown_global_refused(module, name):
     pkl = (pickle.PROTO + b"\x02" + pickle.GLOBAL + f"{module}\n{name}\n".encode()
            + pickle.EMPTY_TUPLE + pickle.REDUCE + pickle.STOP)

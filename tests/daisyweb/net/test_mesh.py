@@ -10,9 +10,8 @@ import aiohttp
 import pytest
 from aiohttp import web
 
-from daisyweb import mesh as meshmod
-from daisyweb import wire
-from daisyweb.mesh import (
+from daisyweb.net import mesh as meshmod
+from daisyweb.net.mesh import (
     BadMessage,
     BroadcastError,
     JoinDenied,
@@ -24,6 +23,7 @@ from daisyweb.mesh import (
     PeerUp,
     Received,
 )
+from daisyweb.protocol import wire
 from signaling.server import REGISTRY, create_app
 
 # aiortc's SCTP waits at least 1 s (its minimum RTO) to resend a lost packet, and a

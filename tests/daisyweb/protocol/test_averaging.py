@@ -1,7 +1,7 @@
 import numpy as np
 import pytest
 
-from daisyweb.averaging import GradientError, average_in_roster_order, check_gradient
+from daisyweb.protocol.averaging import GradientError, average_in_roster_order, check_gradient
 
 
 def _grads(n: int, size: int = 1000, seed: int = 0) -> list[np.ndarray]:

@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 import torch
 
-from daisyweb.ptfile import PtFormatError, load_pt, save_pt
+from daisyweb.checkpoints.ptfile import PtFormatError, load_pt, save_pt
 
 DTYPES = [np.float32, np.float64, np.float16, np.int64, np.int32, np.int16, np.int8,
           np.uint8, np.bool_]
@@ -325,7 +325,7 @@ def test_save_refuses_unsupported_values(tmp_path):
 
 def test_ptfile_never_imports_torch(tmp_path):
     code = ("import sys, numpy as np\n"
-            "from daisyweb.ptfile import save_pt, load_pt\n"
+            "from daisyweb.checkpoints.ptfile import save_pt, load_pt\n"
             "p = sys.argv[1]\n"
             "save_pt(p, {'w': np.ones(3, np.float32)})\n"
             "assert load_pt(p)['w'].tolist() == [1.0, 1.0, 1.0]\n"

@@ -7,8 +7,8 @@ import sys
 
 import pytest
 
-from daisyweb import run
 from daisyweb.cli import peer
+from daisyweb.peer import run
 
 S = ["--server", "http://127.0.0.1:9"]
 
@@ -86,7 +86,7 @@ def test_broken_kernel_switch_changes_the_probe() -> None:
     # In a child process: the switch replaces the live backend for the whole process.
     code = (
         "import kernels\n"
-        "from daisyweb.run import break_kernel_for_tests\n"
+        "from daisyweb.peer.run import break_kernel_for_tests\n"
         "good = kernels.probe_hash()\n"
         "break_kernel_for_tests()\n"
         "print(good != kernels.probe_hash(), kernels.active_backend())\n"

@@ -16,10 +16,9 @@ from typing import Any
 import numpy as np
 import pytest
 
-from daisyweb import wire
 from daisyweb.optim import AdamConfig, DaisyAdam, weight_hash
-from daisyweb.replay import replay, replay_hashes
-from daisyweb.sync import (
+from daisyweb.protocol import wire
+from daisyweb.protocol.sync import (
     Commit,
     Compute,
     Excluded,
@@ -30,6 +29,7 @@ from daisyweb.sync import (
     Stopped,
     successor,
 )
+from daisyweb.training.replay import replay, replay_hashes
 
 SIZE = 37
 ADAM = AdamConfig(lr=1e-2)

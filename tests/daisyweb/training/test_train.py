@@ -4,11 +4,11 @@ import json
 import numpy as np
 import pytest
 
-from daisyweb import wire
-from daisyweb.averaging import GradientError
-from daisyweb.checkpoint import TokenizerInfo, load_checkpoint
+from daisyweb.checkpoints.checkpoint import TokenizerInfo, load_checkpoint
 from daisyweb.model import ModelConfig
-from daisyweb.train import MetricsWriter, Progress, RunConfig, TrainState, train_local
+from daisyweb.protocol import wire
+from daisyweb.protocol.averaging import GradientError
+from daisyweb.training.train import MetricsWriter, Progress, RunConfig, TrainState, train_local
 
 TINY = ModelConfig(vocab=40, width=16, layers=1, heads=2, seq=8)
 TOK = TokenizerInfo(40, "ab" * 32)
@@ -111,7 +111,7 @@ def test_progress_line_reports_rate_and_eta() -> None:
 
 
 def test_failed_saves_keep_training_and_the_end_record(tmp_path) -> None:
-    from daisyweb.checkpoint import CheckpointError
+    from daisyweb.checkpoints.checkpoint import CheckpointError
 
     missing = tmp_path / "gone" / "c.pt"  # every save fails: the directory is missing
     metrics_path = tmp_path / "m.jsonl"
@@ -134,7 +134,7 @@ def test_failed_saves_keep_training_and_the_end_record(tmp_path) -> None:
 
 
 def test_kernel_line_lists_backend_demotions_and_counts() -> None:
-    from daisyweb.train import kernel_line
+    from daisyweb.training.train import kernel_line
 
     line = kernel_line({"backend": "blas64", "macs": {"blas": 0, "blas64": 1234567},
                         "demotions": [{"backend": "blas", "reason": "audit: cell (0, 0)"}]})

@@ -1,6 +1,6 @@
 """The group step protocol as a pure state machine (no asyncio, no sockets, no clock).
 
-One :class:`StepMachine` per peer. The driver (``daisyweb.run``) feeds it events --
+One :class:`StepMachine` per peer. The driver (``daisyweb.peer.run``) feeds it events --
 a message from a peer, a peer going down or coming up, the local gradient being ready,
 a timer tick -- and carries out the actions it returns (:class:`Send`, :class:`Compute`,
 :class:`Commit`, :class:`SendSnapshot`, :class:`Excluded`, :class:`Finish`,
@@ -63,8 +63,8 @@ from typing import Any, Protocol
 
 import numpy as np
 
-from daisyweb import wire
-from daisyweb.averaging import GradientError, average_in_roster_order, check_gradient
+from daisyweb.protocol import wire
+from daisyweb.protocol.averaging import GradientError, average_in_roster_order, check_gradient
 
 __all__ = [
     "Replica",

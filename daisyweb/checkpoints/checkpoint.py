@@ -6,8 +6,9 @@ the sync guard compares, and plain run metadata.
 
 File layout
 -----------
-The file is a :mod:`daisyweb.ptfile` archive (the zip layout ``torch.save`` writes) whose
-``data.pkl`` is one plain ``dict``, so ``torch.load(path, weights_only=True)`` opens it.
+The file is a :mod:`daisyweb.checkpoints.ptfile` archive (the zip layout ``torch.save``
+writes) whose ``data.pkl`` is one plain ``dict``, so
+``torch.load(path, weights_only=True)`` opens it.
 Keys, in this order::
 
     "magic"           str   "daisyweb-checkpoint"
@@ -33,7 +34,7 @@ flattened, C order) in layout order gives the buffer back byte for byte.
 Reading
 -------
 :func:`checkpoint_from_bytes` / :func:`load_checkpoint` never run pickled code (the
-restricted unpickler of :mod:`daisyweb.ptfile` resolves only tensor-rebuild globals) and
+restricted unpickler of :mod:`daisyweb.checkpoints.ptfile` resolves only tensor-rebuild globals) and
 validate everything before returning a *new* :class:`Checkpoint`: magic, version, exact key
 set, config, tensor shapes and dtypes, finiteness, Adam state (by restoring it into a fresh
 DaisyAdam) and finally the weight hash recomputed from the contents. Any problem raises
@@ -61,9 +62,9 @@ from typing import IO, Any
 
 import numpy as np
 
+from daisyweb.checkpoints.ptfile import DEFAULT_MAX_BYTES, PtFormatError, load_pt, save_pt
 from daisyweb.model import ModelConfig, param_count, param_layout
 from daisyweb.optim import AdamConfig, DaisyAdam, weight_hash
-from daisyweb.ptfile import DEFAULT_MAX_BYTES, PtFormatError, load_pt, save_pt
 
 __all__ = [
     "MAGIC",

@@ -2,7 +2,7 @@ import aioice.ice
 import pytest
 from aiortc import RTCPeerConnection
 
-from daisyweb import ice
+from daisyweb.net import ice
 
 
 @pytest.fixture

@@ -1,6 +1,6 @@
 """The asyncio driver of one peer: Mesh events -> :class:`sync.StepMachine` -> actions.
 
-Everything the protocol decides lives in ``daisyweb.sync``; this module only moves bytes
+Everything the protocol decides lives in ``daisyweb.protocol.sync``; this module only moves bytes
 and time: it connects the mesh, hands the start config and snapshot over, runs gradient
 computations in a worker thread (so heartbeats and messages keep flowing during a step),
 sends each peer's messages from its own ordered queue (a slow peer never blocks the
@@ -54,7 +54,7 @@ from urllib.parse import urlsplit, urlunsplit
 
 import numpy as np
 
-from daisyweb import sync, wire
+from daisyweb.protocol import sync, wire
 
 __all__ = [
     "PeerError",
@@ -271,7 +271,7 @@ async def _maybe_await(x: Any) -> Any:
 
 
 def _tokenizer_info() -> tuple[Any, Any]:
-    from daisyweb.checkpoint import TokenizerInfo
+    from daisyweb.checkpoints.checkpoint import TokenizerInfo
     from daisyweb.data import default_tokenizer
 
     tok = default_tokenizer()
@@ -280,9 +280,9 @@ def _tokenizer_info() -> tuple[Any, Any]:
 
 def _leader_state(opts: PeerOptions, tokinfo: Any) -> Any:
     """The leader's starting TrainState: fresh from flags or resumed from --resume."""
-    from daisyweb.checkpoint import CheckpointError, load_checkpoint
+    from daisyweb.checkpoints.checkpoint import CheckpointError, load_checkpoint
     from daisyweb.model import ModelConfig
-    from daisyweb.train import RunConfig, TrainState
+    from daisyweb.training.train import RunConfig, TrainState
 
     if opts.resume:
         if not Path(opts.resume).is_file():
@@ -324,7 +324,7 @@ async def run_peer(
 ) -> int:
     """Run one peer to the end. Returns the exit code; raises PeerError for setup errors.
 
-    ``mesh_factory`` (default ``daisyweb.mesh.Mesh``) lets tests run several peers in
+    ``mesh_factory`` (default ``daisyweb.net.mesh.Mesh``) lets tests run several peers in
     one process over an in-memory mesh with the same interface.
     """
     hooks = TestHooks.from_env() if hooks is None else hooks
@@ -349,7 +349,7 @@ async def run_peer(
 class _Driver:
     def __init__(self, opts: PeerOptions, hooks: TestHooks, tok: Any, tokinfo: Any,
                  state: Any, mesh_factory: Callable[..., Any] | None) -> None:
-        from daisyweb.train import MetricsWriter
+        from daisyweb.training.train import MetricsWriter
 
         self.mesh_factory = mesh_factory
         self.opts = opts
@@ -390,7 +390,7 @@ class _Driver:
     def _mesh(self) -> Any:
         factory = self.mesh_factory
         if factory is None:
-            from daisyweb.mesh import Mesh
+            from daisyweb.net.mesh import Mesh
 
             factory = Mesh
         return factory(
@@ -541,8 +541,8 @@ class _Driver:
 
     async def _start_follower(self) -> None:
         """Wait for Config + Snapshot from a leader; buffer everything else meanwhile."""
-        from daisyweb.checkpoint import CheckpointError, checkpoint_from_bytes
-        from daisyweb.train import RunConfig, TrainState
+        from daisyweb.checkpoints.checkpoint import CheckpointError, checkpoint_from_bytes
+        from daisyweb.training.train import RunConfig, TrainState
 
         deadline = time.monotonic() + self.opts.join_timeout
         held: deque[tuple[Any, ...]] = deque(maxlen=BUFFER_BEFORE_START)
@@ -615,7 +615,7 @@ class _Driver:
             await self._handle(item)
 
     def _begin_progress(self) -> None:
-        from daisyweb.train import Progress
+        from daisyweb.training.train import Progress
 
         self.progress = Progress(self.state.run.steps,
                                  stream=sys.stderr if self.opts.progress else None)
@@ -863,7 +863,7 @@ class _Driver:
         await self.queue.put(("grad", step, loss, grad, time.perf_counter() - t0))
 
     def _send_snapshot(self, peer: str, step: int) -> None:
-        from daisyweb.checkpoint import checkpoint_to_bytes
+        from daisyweb.checkpoints.checkpoint import checkpoint_to_bytes
 
         if self.state.step != step:  # cannot happen: the machine asks at its boundary
             _log(f"not sending a snapshot of step {step} from step {self.state.step}")
@@ -882,7 +882,7 @@ class _Driver:
         _log(f"sent snapshot of step {step} ({len(payload):,} bytes) to {peer}")
 
     async def _on_commit(self, c: sync.Commit) -> None:
-        from daisyweb.checkpoint import CheckpointError, save_checkpoint
+        from daisyweb.checkpoints.checkpoint import CheckpointError, save_checkpoint
 
         now = time.monotonic()
         run = self.state.run
@@ -922,8 +922,8 @@ class _Driver:
                 tokens_per_s=float(tokens_per_s), probe=c.probe_hash[:16], state="training")
 
     async def _finish(self) -> int:
-        from daisyweb.checkpoint import CheckpointError, save_checkpoint
-        from daisyweb.train import kernel_line, kernel_report
+        from daisyweb.checkpoints.checkpoint import CheckpointError, save_checkpoint
+        from daisyweb.training.train import kernel_line, kernel_report
 
         assert self.result is not None
         code, reason = self.result

@@ -1,4 +1,4 @@
-"""Tests for daisyweb.wire: message round trips, refusals, framing, fuzzing."""
+"""Tests for daisyweb.protocol.wire: message round trips, refusals, framing, fuzzing."""
 
 from __future__ import annotations
 
@@ -10,8 +10,8 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from daisyweb import wire
-from daisyweb.wire import (
+from daisyweb.protocol import wire
+from daisyweb.protocol.wire import (
     CHUNK,
     HEADER_SIZE,
     MAX_FRAME,

@@ -1,9 +1,9 @@
 """The training loop: one peer's state, one step, progress and metrics.
 
-The mesh driver (``daisyweb.run``) reuses these pieces; a single machine is simply a
+The mesh driver (``daisyweb.peer.run``) reuses these pieces; a single machine is simply a
 roster of one. The step is split the way the group protocol needs it: compute a local
 gradient (``TrainState.gradient``), average the roster's gradients
-(``daisyweb.averaging``), then apply the average (``TrainState.apply``).
+(``daisyweb.protocol.averaging``), then apply the average (``TrainState.apply``).
 """
 
 from __future__ import annotations
@@ -20,9 +20,7 @@ from typing import IO, Any
 
 import numpy as np
 
-from daisyweb import wire
-from daisyweb.averaging import average_in_roster_order, check_gradient
-from daisyweb.checkpoint import (
+from daisyweb.checkpoints.checkpoint import (
     Checkpoint,
     CheckpointError,
     TokenizerInfo,
@@ -32,6 +30,8 @@ from daisyweb.checkpoint import (
 )
 from daisyweb.model import ModelConfig, init_params, loss_and_grad, param_count
 from daisyweb.optim import AdamConfig, DaisyAdam, weight_hash
+from daisyweb.protocol import wire
+from daisyweb.protocol.averaging import average_in_roster_order, check_gradient
 
 __all__ = [
     "RunConfig",

@@ -14,8 +14,8 @@ from typing import Any
 
 import numpy as np
 
-from daisyweb.averaging import average_in_roster_order, check_gradient
 from daisyweb.optim import AdamConfig, DaisyAdam, weight_hash
+from daisyweb.protocol.averaging import average_in_roster_order, check_gradient
 
 __all__ = ["replay", "replay_hashes"]
 

@@ -7,7 +7,7 @@ offers, so two peers never offer to each other (no glare); when a link dies whil
 are still members, the offerer dials again with backoff and the answerer replaces its
 old connection with the newest offer.
 
-Everything sent is a :mod:`daisyweb.wire` message, encoded and cut into frames of at
+Everything sent is a :mod:`daisyweb.protocol.wire` message, encoded and cut into frames of at
 most 48 KiB; the receiver has one :class:`wire.Reassembler` per link. Heartbeats go on
 every channel every ``heartbeat_interval``; any frame received counts as liveness, so a
 long transfer never looks like a dead peer, and heartbeats skip the per-link send lock,
@@ -41,7 +41,8 @@ from urllib.parse import urlsplit, urlunsplit
 import aiohttp
 from aiortc import RTCDataChannel, RTCPeerConnection, RTCSessionDescription
 
-from . import ice, wire
+from daisyweb.net import ice
+from daisyweb.protocol import wire
 
 __all__ = [
     "PeerUp",
@@ -58,7 +59,7 @@ __all__ = [
     "SEND_LOW_WATER",
 ]
 
-log = logging.getLogger("daisyweb.mesh")
+log = logging.getLogger("daisyweb.net.mesh")
 
 # Backpressure marks on a channel's bufferedAmount. High enough to keep aiortc's SCTP
 # sender busy between wake-ups, low enough that a heartbeat queued behind it still

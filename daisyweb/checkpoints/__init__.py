@@ -1,0 +1,1 @@
+"""Checkpoints: the .pt container, the checkpoint format and its validation."""

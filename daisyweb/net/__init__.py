@@ -1,0 +1,1 @@
+"""The network: ICE settings, the signaling client, links and the peer mesh."""

@@ -1,0 +1,1 @@
+"""The peer process: options, start handshake, data feed and the driver loop."""

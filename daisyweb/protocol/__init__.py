@@ -1,0 +1,1 @@
+"""The group protocol: typed wire messages and their codec, framing, the step machine, averaging."""

@@ -1,0 +1,1 @@
+"""Training: the run config, one peer's train state, the local loop, metrics, the replay oracle."""
