@@ -146,6 +146,16 @@ class TrainState:
     def weight_hash(self) -> str:
         return weight_hash(self.params, self.optimizer)
 
+    def backup(self) -> tuple[np.ndarray, dict[str, Any]]:
+        """A copy of params and optimizer state to :meth:`restore` after a rollback."""
+        return self.params.copy(), self.optimizer.state_dict()
+
+    def restore(self, token: tuple[np.ndarray, dict[str, Any]]) -> None:
+        params, opt = token
+        # New arrays, not in place: a gradient thread may still read the old ones.
+        self.params = params.copy()
+        self.optimizer.load_state_dict(opt)
+
     def checkpoint(self, tokenizer: TokenizerInfo) -> Checkpoint:
         return make_checkpoint(self.run.model, tokenizer, self.params, self.optimizer,
                                self.run.to_dict())
