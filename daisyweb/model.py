@@ -35,6 +35,7 @@ from typing import Any
 import numpy as np
 
 import kernels
+from daisyweb.rules import DEFAULTS, check_model
 
 __all__ = [
     "ModelConfig",
@@ -51,18 +52,15 @@ __all__ = [
 @dataclass(frozen=True)
 class ModelConfig:
     vocab: int
-    width: int = 128
-    layers: int = 4
-    heads: int = 4
-    seq: int = 64
+    width: int = int(DEFAULTS["width"])
+    layers: int = int(DEFAULTS["layers"])
+    heads: int = int(DEFAULTS["heads"])
+    seq: int = int(DEFAULTS["seq"])
 
     def __post_init__(self) -> None:
-        for name in ("vocab", "width", "layers", "heads", "seq"):
-            value = getattr(self, name)
-            if type(value) is not int or value < 1:
-                raise ValueError(f"model {name} must be a positive integer, got {value!r}")
-        if self.width % self.heads:
-            raise ValueError(f"width {self.width} is not divisible by heads {self.heads}")
+        # The shared rules (daisyweb.rules): every dimension a positive integer up to
+        # MAX_DIM, width divisible by heads.
+        check_model(self.vocab, self.width, self.layers, self.heads, self.seq)
 
     def to_dict(self) -> dict[str, int]:
         return asdict(self)

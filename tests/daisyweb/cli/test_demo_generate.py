@@ -154,9 +154,9 @@ def test_readiness_fails_when_the_server_process_died() -> None:
 
 def _patch_loss(monkeypatch, at: int, effect) -> None:
     """Make the model's loss_and_grad misbehave on its ``at``-th call (= step ``at``)."""
-    import daisyweb.training.train as train
+    import daisyweb.training.state as state
 
-    real = train.loss_and_grad
+    real = state.loss_and_grad
     calls = [0]
 
     def patched(model, params, batch):
@@ -166,7 +166,7 @@ def _patch_loss(monkeypatch, at: int, effect) -> None:
             return effect(loss, grad)
         return loss, grad
 
-    monkeypatch.setattr(train, "loss_and_grad", patched)
+    monkeypatch.setattr(state, "loss_and_grad", patched)
 
 
 def _nan_grad(loss, grad):

@@ -8,7 +8,10 @@ from daisyweb.checkpoints.checkpoint import TokenizerInfo, load_checkpoint
 from daisyweb.model import ModelConfig
 from daisyweb.protocol import wire
 from daisyweb.protocol.averaging import GradientError
-from daisyweb.training.train import MetricsWriter, Progress, RunConfig, TrainState, train_local
+from daisyweb.training.config import RunConfig
+from daisyweb.training.loop import train_local
+from daisyweb.training.metrics import MetricsWriter, Progress
+from daisyweb.training.state import TrainState
 
 TINY = ModelConfig(vocab=40, width=16, layers=1, heads=2, seq=8)
 TOK = TokenizerInfo(40, "ab" * 32)
@@ -134,9 +137,27 @@ def test_failed_saves_keep_training_and_the_end_record(tmp_path) -> None:
 
 
 def test_kernel_line_lists_backend_demotions_and_counts() -> None:
-    from daisyweb.training.train import kernel_line
+    from daisyweb.training.metrics import kernel_line
 
     line = kernel_line({"backend": "blas64", "macs": {"blas": 0, "blas64": 1234567},
                         "demotions": [{"backend": "blas", "reason": "audit: cell (0, 0)"}]})
     assert line == ("kernels: backend blas64, demotions: blas (audit: cell (0, 0)), "
                     "multiply-accumulates: blas64 1,234,567")
+
+
+def test_run_config_factory_fills_defaults_and_refuses_bad_values() -> None:
+    from daisyweb.training.config import DEFAULTS, run_config
+
+    run = run_config(40)
+    assert (run.model.width, run.model.layers, run.model.heads, run.model.seq) == (
+        DEFAULTS["width"], DEFAULTS["layers"], DEFAULTS["heads"], DEFAULTS["seq"])
+    assert (run.batch, run.steps, run.lr, run.seed, run.data) == (
+        DEFAULTS["batch"], 300, DEFAULTS["lr"], DEFAULTS["seed"], "builtin")
+    assert run == RunConfig(model=ModelConfig(vocab=40))  # the dataclass agrees
+    assert run_config(40, width=16, heads=2, steps=7, data="server").model.width == 16
+    for bad, needle in [({"steps": 0}, "steps"), ({"width": 30}, "not divisible"),
+                        ({"lr": 11.0}, "lr"), ({"seed": -1}, "seed"), ({"data": ""}, "data"),
+                        ({"batch": True}, "batch")]:
+        with pytest.raises(ValueError, match=needle) as exc:
+            run_config(40, **bad)
+        assert "\n" not in str(exc.value)

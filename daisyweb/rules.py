@@ -1,0 +1,133 @@
+"""The run's defaults and the value rules every layer shares: the bounds of each run-config
+field, the spelling of a hex digest.
+
+One place for them, so the model config, the run config, checkpoints and both command
+lines default to the same run and refuse the same values with the same words. Pure Python
+(no numpy, no daisyweb imports): anything may import it without a cycle. The public home
+of the defaults is ``daisyweb.training.config`` (``DEFAULTS``, ``run_config``); they are
+defined here only because ``daisyweb.model`` needs them too and sits below training.
+
+The bounds are the ones the wire ``Config`` message enforces (``daisyweb.protocol.wire``):
+``tests/daisyweb/test_rules.py`` checks that the two agree.
+"""
+
+from __future__ import annotations
+
+import math
+import re
+from dataclasses import dataclass
+from types import MappingProxyType
+from typing import Any
+
+__all__ = [
+    "DEFAULTS",
+    "MAX_DIM",
+    "MAX_STEP",
+    "MAX_SEED",
+    "MAX_LR",
+    "MAX_DATA_LEN",
+    "FieldRule",
+    "FIELD_RULES",
+    "MODEL_FIELDS",
+    "RUN_FIELDS",
+    "check_field",
+    "check_model",
+    "check_run",
+    "is_lower_hex",
+]
+
+# The run every entry point starts unless told otherwise: daisyweb-demo, daisyweb-peer
+# --start, the model's own defaults (sized for an old laptop: 1.3 M parameters).
+DEFAULTS: MappingProxyType[str, int | float | str] = MappingProxyType({
+    "width": 128, "layers": 4, "heads": 4, "seq": 64,
+    "batch": 8, "steps": 300, "lr": 3e-3, "seed": 0, "data": "builtin",
+})
+
+MAX_DIM = 1 << 31  # every model dimension and the batch size
+MAX_STEP = (1 << 63) - 1  # steps fit a signed 64-bit int everywhere
+MAX_SEED = (1 << 64) - 1
+MAX_LR = 10.0  # the learning rate is in (0, MAX_LR]
+MAX_DATA_LEN = 1024  # the data source's name
+
+
+@dataclass(frozen=True)
+class FieldRule:
+    """One run-config field: its number type and closed bounds (``lo_open``: ``lo`` excluded).
+
+    ``what`` names the accepted values for a message, e.g. "a positive integer".
+    """
+
+    kind: type
+    lo: float
+    hi: float
+    what: str
+    lo_open: bool = False
+
+    def accepts(self, value: Any) -> bool:
+        if self.kind is int:
+            # bool is an int subclass; True as a width is a bug, not a value.
+            if type(value) is not int:
+                return False
+        elif type(value) not in (int, float) or not math.isfinite(value):
+            return False
+        if self.lo_open and value == self.lo:
+            return False
+        return self.lo <= value <= self.hi
+
+
+_DIM = FieldRule(int, 1, MAX_DIM, "a positive integer")
+
+FIELD_RULES: MappingProxyType[str, FieldRule] = MappingProxyType({
+    "vocab": _DIM,
+    "width": _DIM,
+    "layers": _DIM,
+    "heads": _DIM,
+    "seq": _DIM,
+    "batch": _DIM,
+    "steps": FieldRule(int, 1, MAX_STEP, "a positive integer"),
+    "lr": FieldRule(float, 0.0, MAX_LR, f"a positive number up to {MAX_LR:g}", lo_open=True),
+    "seed": FieldRule(int, 0, MAX_SEED, "an integer >= 0"),
+})
+MODEL_FIELDS = ("vocab", "width", "layers", "heads", "seq")
+RUN_FIELDS = ("batch", "steps", "lr", "seed", "data")
+
+
+def check_field(name: str, value: Any, prefix: str = "") -> Any:
+    """``value`` if the rule of field ``name`` accepts it, else ValueError naming the field.
+
+    Messages read ``"<prefix><name> must be <what>, got <value>"``.
+    """
+    rule = FIELD_RULES[name]
+    if not rule.accepts(value):
+        # The float rule's `what` names its upper bound; an integer's is said when exceeded.
+        too_big = rule.kind is int and type(value) is int and value > rule.hi
+        limit = f" (at most {rule.hi})" if too_big else ""
+        raise ValueError(f"{prefix}{name} must be {rule.what}{limit}, got {value!r}")
+    return value
+
+
+def check_model(vocab: Any, width: Any, layers: Any, heads: Any, seq: Any,
+                prefix: str = "model ") -> None:
+    """The model dimensions: each a positive integer, ``width`` divisible by ``heads``."""
+    for name, value in zip(MODEL_FIELDS, (vocab, width, layers, heads, seq), strict=True):
+        check_field(name, value, prefix)
+    if width % heads:
+        raise ValueError(f"width {width} is not divisible by heads {heads}")
+
+
+def check_run(batch: Any, steps: Any, lr: Any, seed: Any, data: Any) -> None:
+    """The run fields besides the model: batch, steps, learning rate, seed, data source."""
+    for name, value in zip(RUN_FIELDS[:4], (batch, steps, lr, seed), strict=True):
+        check_field(name, value)
+    if type(data) is not str or not 1 <= len(data) <= MAX_DATA_LEN:
+        raise ValueError(f"data must be a source name of 1..{MAX_DATA_LEN} characters, "
+                         f"got {data!r:.80}")
+
+
+_LOWER_HEX = re.compile(r"[0-9a-f]+")
+
+
+def is_lower_hex(text: Any) -> bool:
+    """True for a non-empty string of lowercase hex digits (how every digest is spelled,
+    so two peers never disagree on the spelling of one hash)."""
+    return type(text) is str and _LOWER_HEX.fullmatch(text) is not None

@@ -1,0 +1,102 @@
+"""The run config: one set of defaults, one set of rules, one factory.
+
+:data:`DEFAULTS` is the run every entry point starts unless told otherwise
+(``daisyweb-demo``, ``daisyweb-peer --start``, the model's own defaults); the bounds of
+every field are :mod:`daisyweb.rules`. :func:`run_config` builds a :class:`RunConfig`
+from optional values (``None`` means the default) and refuses a bad one with a one-line
+``ValueError``. A :class:`RunConfig` converts to and from the wire ``Config`` message the
+leader broadcasts and to and from a checkpoint's ``run`` metadata.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from daisyweb.checkpoints.checkpoint import Checkpoint
+from daisyweb.model import ModelConfig
+from daisyweb.optim import AdamConfig
+from daisyweb.protocol import wire
+from daisyweb.rules import DEFAULTS, check_run
+
+__all__ = ["DEFAULTS", "RunConfig", "run_config"]
+
+
+@dataclass(frozen=True)
+class RunConfig:
+    """Everything the leader fixes for a run (what ``wire.Config`` carries)."""
+
+    model: ModelConfig
+    batch: int = int(DEFAULTS["batch"])
+    steps: int = int(DEFAULTS["steps"])
+    lr: float = float(DEFAULTS["lr"])
+    seed: int = int(DEFAULTS["seed"])
+    data: str = str(DEFAULTS["data"])
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.model, ModelConfig):
+            raise ValueError(f"bad run config: model must be a ModelConfig, "
+                             f"got {type(self.model).__name__}")
+        try:
+            check_run(self.batch, self.steps, self.lr, self.seed, self.data)
+        except ValueError as exc:
+            raise ValueError(f"bad run config: {exc}") from None
+
+    def adam(self) -> AdamConfig:
+        return AdamConfig(lr=self.lr)
+
+    def to_wire(self) -> wire.Config:
+        m = self.model
+        return wire.Config.from_dict({
+            "width": m.width, "layers": m.layers, "heads": m.heads, "seq": m.seq,
+            "vocab": m.vocab, "batch": self.batch, "steps": self.steps, "lr": self.lr,
+            "seed": self.seed, "data": self.data,
+        })
+
+    @classmethod
+    def from_wire(cls, msg: wire.Config) -> RunConfig:
+        model = ModelConfig(vocab=msg.vocab, width=msg.width, layers=msg.layers,
+                            heads=msg.heads, seq=msg.seq)
+        return cls(model=model, batch=msg.batch, steps=msg.steps, lr=msg.lr,
+                   seed=msg.seed, data=msg.data)
+
+    def to_dict(self) -> dict[str, Any]:
+        """Plain metadata for a checkpoint's ``run`` dict (the model goes separately)."""
+        return {"batch": self.batch, "steps": self.steps, "lr": self.lr,
+                "seed": self.seed, "data": self.data}
+
+    @classmethod
+    def from_checkpoint(cls, ckpt: Checkpoint) -> RunConfig:
+        run = ckpt.run
+        try:
+            return cls(model=ckpt.model, batch=int(run["batch"]), steps=int(run["steps"]),
+                       lr=float(run["lr"]), seed=int(run["seed"]), data=str(run["data"]))
+        except (KeyError, TypeError, ValueError) as exc:
+            raise ValueError(f"checkpoint run metadata is incomplete: {exc}") from None
+
+
+def run_config(
+    vocab: int,
+    *,
+    width: int | None = None,
+    layers: int | None = None,
+    heads: int | None = None,
+    seq: int | None = None,
+    batch: int | None = None,
+    steps: int | None = None,
+    lr: float | None = None,
+    seed: int | None = None,
+    data: str = str(DEFAULTS["data"]),
+) -> RunConfig:
+    """A validated :class:`RunConfig`; every ``None`` takes its value from :data:`DEFAULTS`.
+
+    A bad value raises ``ValueError`` with a one-line message naming the field.
+    """
+
+    def pick(name: str, value: Any) -> Any:
+        return DEFAULTS[name] if value is None else value
+
+    model = ModelConfig(vocab=vocab, width=pick("width", width), layers=pick("layers", layers),
+                        heads=pick("heads", heads), seq=pick("seq", seq))
+    return RunConfig(model=model, batch=pick("batch", batch), steps=pick("steps", steps),
+                     lr=pick("lr", lr), seed=pick("seed", seed), data=data)

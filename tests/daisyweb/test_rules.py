@@ -1,0 +1,45 @@
+"""The shared value rules (daisyweb.rules) agree with the wire Config message."""
+
+from __future__ import annotations
+
+import pytest
+
+from daisyweb import rules
+from daisyweb.protocol import wire
+
+
+def test_bounds_are_the_wire_configs() -> None:
+    assert rules.MAX_DIM == wire.MAX_DIM
+    assert rules.MAX_STEP == wire.MAX_STEP
+    assert rules.MAX_SEED == wire.MAX_U64
+    assert rules.MAX_DATA_LEN == wire.MAX_TEXT_LEN
+    base = {"width": 8, "layers": 1, "heads": 2, "seq": 4, "vocab": 9, "batch": 1,
+            "steps": 1, "lr": 1e-3, "seed": 0, "data": "builtin"}
+    edges = {
+        "width": [0, 1, rules.MAX_DIM, rules.MAX_DIM + 1, True],
+        "batch": [0, 1, rules.MAX_DIM, rules.MAX_DIM + 1],
+        "steps": [0, 1, rules.MAX_STEP, rules.MAX_STEP + 1],
+        "lr": [0.0, 1e-9, rules.MAX_LR, rules.MAX_LR + 1e-6, float("nan"), 1],
+        "seed": [-1, 0, rules.MAX_SEED, rules.MAX_SEED + 1],
+    }
+    for name, values in edges.items():
+        for value in values:
+            d = base | {name: value} | ({"heads": 1} if name == "width" else {})
+            try:
+                wire.Config.from_dict(d)
+                wire_ok = True
+            except wire.WireError:
+                wire_ok = False
+            assert rules.FIELD_RULES[name].accepts(value) == wire_ok, (name, value)
+
+
+def test_lower_hex() -> None:
+    assert rules.is_lower_hex("00ff")
+    assert not any(rules.is_lower_hex(v) for v in ("", "00FF", "0g", "ab\n", None, 12))
+
+
+def test_check_field_says_the_rule() -> None:
+    with pytest.raises(ValueError, match="^steps must be a positive integer, got 0$"):
+        rules.check_field("steps", 0)
+    with pytest.raises(ValueError, match="at most 2147483648"):
+        rules.check_field("width", rules.MAX_DIM + 1)
