@@ -31,6 +31,7 @@ __all__ = [
     "MODEL_FIELDS",
     "RUN_FIELDS",
     "check_field",
+    "check_heads",
     "check_model",
     "check_run",
     "is_lower_hex",
@@ -111,6 +112,11 @@ def check_model(vocab: Any, width: Any, layers: Any, heads: Any, seq: Any,
     """The model dimensions: each a positive integer, ``width`` divisible by ``heads``."""
     for name, value in zip(MODEL_FIELDS, (vocab, width, layers, heads, seq), strict=True):
         check_field(name, value, prefix)
+    check_heads(width, heads)
+
+
+def check_heads(width: int, heads: int) -> None:
+    """Attention splits ``width`` into ``heads`` equal parts."""
     if width % heads:
         raise ValueError(f"width {width} is not divisible by heads {heads}")
 

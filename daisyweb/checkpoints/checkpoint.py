@@ -65,6 +65,7 @@ import numpy as np
 from daisyweb.checkpoints.ptfile import DEFAULT_MAX_BYTES, PtFormatError, load_pt, save_pt
 from daisyweb.model import ModelConfig, param_count, param_layout
 from daisyweb.optim import AdamConfig, DaisyAdam, weight_hash
+from daisyweb.rules import is_lower_hex
 
 __all__ = [
     "MAGIC",
@@ -182,8 +183,7 @@ def _check_run(run: Any) -> dict[str, str | int | float | bool]:
 
 
 def _check_hash(value: Any) -> str:
-    if (type(value) is not str or not 1 <= len(value) <= _MAX_HASH_LEN
-            or any(c not in "0123456789abcdef" for c in value)):
+    if not is_lower_hex(value) or len(value) > _MAX_HASH_LEN:
         raise _err(f"weight_hash {value!r:.80} is not a lowercase hex digest",
                    "the file is damaged or not written by daisyweb; use another checkpoint")
     return value

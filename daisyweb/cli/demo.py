@@ -25,16 +25,10 @@ from typing import IO
 
 from daisyweb.checkpoints.checkpoint import CheckpointError, TokenizerInfo
 from daisyweb.data import BatchSampler, builtin_tokens, default_tokenizer
-from daisyweb.model import ModelConfig
-from daisyweb.training.train import (
-    MetricsWriter,
-    Progress,
-    RunConfig,
-    TrainState,
-    kernel_line,
-    kernel_report,
-    train_local,
-)
+from daisyweb.training.config import DEFAULTS, RunConfig, run_config
+from daisyweb.training.loop import train_local
+from daisyweb.training.metrics import MetricsWriter, Progress, kernel_line, kernel_report
+from daisyweb.training.state import TrainState
 
 MAX_PEERS = 8
 
@@ -44,14 +38,16 @@ def _parser() -> argparse.ArgumentParser:
         prog="daisyweb-demo",
         description="Train a daisyweb group on this machine (loopback only).")
     p.add_argument("--peers", type=int, default=3, help="peers in the group (default 3)")
-    p.add_argument("--steps", type=int, default=300, help="training steps (default 300)")
-    p.add_argument("--width", type=int, default=128)
-    p.add_argument("--layers", type=int, default=4)
-    p.add_argument("--heads", type=int, default=4)
-    p.add_argument("--seq", type=int, default=64)
-    p.add_argument("--batch", type=int, default=8, help="sequences per peer per step")
-    p.add_argument("--lr", type=float, default=3e-3)
-    p.add_argument("--seed", type=int, default=0)
+    # Run flags default to None: run_config() fills DEFAULTS (one set for every entry point).
+    p.add_argument("--steps", type=int, help=f"training steps (default {DEFAULTS['steps']})")
+    p.add_argument("--width", type=int, help=f"default {DEFAULTS['width']}")
+    p.add_argument("--layers", type=int, help=f"default {DEFAULTS['layers']}")
+    p.add_argument("--heads", type=int, help=f"default {DEFAULTS['heads']}")
+    p.add_argument("--seq", type=int, help=f"default {DEFAULTS['seq']}")
+    p.add_argument("--batch", type=int,
+                   help=f"sequences per peer per step (default {DEFAULTS['batch']})")
+    p.add_argument("--lr", type=float, help=f"default {DEFAULTS['lr']}")
+    p.add_argument("--seed", type=int, help=f"default {DEFAULTS['seed']}")
     p.add_argument("--save", metavar="FILE.pt", help="write the final checkpoint here")
     p.add_argument("--save-every", type=int, default=0, metavar="K",
                    help="also checkpoint every K steps (needs --save)")
@@ -64,10 +60,9 @@ def _parser() -> argparse.ArgumentParser:
 def _run_config(args: argparse.Namespace, parser: argparse.ArgumentParser) -> RunConfig:
     vocab = default_tokenizer().vocab_size
     try:
-        model = ModelConfig(vocab=vocab, width=args.width, layers=args.layers,
-                            heads=args.heads, seq=args.seq)
-        return RunConfig(model=model, batch=args.batch, steps=args.steps, lr=args.lr,
-                         seed=args.seed, data="builtin")
+        return run_config(vocab, width=args.width, layers=args.layers, heads=args.heads,
+                          seq=args.seq, batch=args.batch, steps=args.steps, lr=args.lr,
+                          seed=args.seed, data="builtin")
     except ValueError as exc:
         parser.error(str(exc))
         raise  # unreachable: parser.error exits
@@ -283,8 +278,6 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = parser.parse_args(argv)
     if not 1 <= args.peers <= MAX_PEERS:
         parser.error(f"--peers must be between 1 and {MAX_PEERS}")
-    if args.steps < 1:
-        parser.error("--steps must be >= 1")
     if args.save_every < 0 or (args.save_every and not args.save):
         parser.error("--save-every needs --save and must be >= 0")
     if args.save and not Path(args.save).resolve().parent.is_dir():

@@ -17,19 +17,19 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import re
 import sys
 from collections.abc import Callable, Sequence
 from urllib.parse import urlsplit
 
-__all__ = ["build_parser", "parse_args", "main"]
+# Both pure Python, so flag errors stay instant. daisyweb.rules.DEFAULTS is the one set of
+# run defaults (also daisyweb.training.config.DEFAULTS, and daisyweb-demo's).
+from daisyweb.rules import DEFAULTS, FIELD_RULES, check_heads
+from signaling.protocol import valid_room  # the signaling server's own room rule
+
+__all__ = ["DEFAULTS", "build_parser", "parse_args", "main"]
 
 PROG = "daisyweb-peer"
-_ROOM_RE = re.compile(r"^[A-Za-z0-9_-]{4,64}$")  # the signaling server's rule
 _MODEL_FLAGS = ("width", "layers", "heads", "seq", "batch", "steps", "lr", "seed")
-# The same run as daisyweb-demo's defaults (the model's own defaults, sized for an old laptop).
-DEFAULTS = {"width": 128, "layers": 4, "heads": 4, "seq": 64, "batch": 8, "steps": 300,
-            "lr": 3e-3, "seed": 0}
 
 
 class _Parser(argparse.ArgumentParser):
@@ -57,6 +57,23 @@ _positive_int = _int_at_least(1, "a positive integer")
 _non_negative_int = _int_at_least(0, "an integer >= 0")
 
 
+def _run_flag(name: str) -> Callable[[str], int | float]:
+    """An argparse type for run field ``name``: its number type and bounds are the shared
+    rule (``daisyweb.rules.FIELD_RULES``), which also names it in the error."""
+    rule = FIELD_RULES[name]
+
+    def parse(text: str) -> int | float:
+        try:
+            value = rule.kind(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"expected {rule.what}, got {text!r}") from None
+        if not rule.accepts(value):
+            raise argparse.ArgumentTypeError(f"expected {rule.what}, got {text!r}")
+        return value
+
+    return parse
+
+
 def _positive_float(text: str) -> float:
     try:
         v = float(text)
@@ -75,14 +92,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--approve", choices=("ask", "auto"), default="ask",
                    help="host only: ask on the terminal, or admit everyone with the code")
     p.add_argument("--start", action="store_true", help="lead: this peer's flags are the run")
-    p.add_argument("--width", type=_positive_int)
-    p.add_argument("--layers", type=_positive_int)
-    p.add_argument("--heads", type=_positive_int)
-    p.add_argument("--seq", type=_positive_int)
-    p.add_argument("--batch", type=_positive_int)
-    p.add_argument("--steps", type=_positive_int)
-    p.add_argument("--lr", type=_positive_float)
-    p.add_argument("--seed", type=_non_negative_int)
+    # Run flags stay None when not given (a --resume conflict names only given flags);
+    # a --start without --resume fills them from DEFAULTS.
+    for flag in _MODEL_FLAGS:
+        p.add_argument(f"--{flag}", type=_run_flag(flag),
+                       help=f"leader: default {DEFAULTS[flag]}")
     p.add_argument("--resume", default=None, metavar="FILE.pt", help="leader: resume a run")
     p.add_argument("--save", default=None, metavar="FILE.pt", help="checkpoint file (atomic)")
     p.add_argument("--save-every", type=_non_negative_int, default=0, metavar="K",
@@ -107,7 +121,7 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
         url.port  # noqa: B018 - raises ValueError on a bad port
     except ValueError:
         parser.error(f"--server has a bad port: {args.server!r}")
-    if args.room is not None and not _ROOM_RE.match(args.room):
+    if not valid_room(args.room):
         parser.error("--room must be 4-64 characters of A-Z a-z 0-9 _ -")
     given = [f for f in _MODEL_FLAGS if getattr(args, f) is not None]
     if not args.start:
@@ -120,13 +134,13 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     if args.save_every and not args.save:
         parser.error("--save-every needs --save")
     if args.start and not args.resume:
-        for f, v in DEFAULTS.items():
+        for f in _MODEL_FLAGS:
             if getattr(args, f) is None:
-                setattr(args, f, v)
-        if args.width % args.heads:
+                setattr(args, f, DEFAULTS[f])
+        try:
+            check_heads(args.width, args.heads)
+        except ValueError:
             parser.error(f"--width {args.width} is not divisible by --heads {args.heads}")
-        if args.lr >= 10.0:
-            parser.error(f"--lr must be below 10, got {args.lr}")
     return args
 
 
