@@ -1,11 +1,20 @@
 """The group step protocol as a pure state machine (no asyncio, no sockets, no clock).
 
-One :class:`StepMachine` per peer. The driver (``daisyweb.peer.run``) feeds it events --
+One :class:`StepMachine` per peer. The driver (``daisyweb.peer``) feeds it events --
 a message from a peer, a peer going down or coming up, the local gradient being ready,
-a timer tick -- and carries out the actions it returns (:class:`Send`, :class:`Compute`,
-:class:`Commit`, :class:`SendSnapshot`, :class:`Excluded`, :class:`Finish`,
-:class:`Stopped`). Every event method takes ``now`` (seconds, any monotonic origin) so
-timeouts are deterministic in tests.
+a timer tick -- and carries out the actions it returns (``daisyweb.protocol.actions``:
+:class:`Send`, :class:`Compute`, :class:`Commit`, :class:`SendSnapshot`,
+:class:`Excluded`, :class:`Finish`, :class:`Stopped`). Every event method takes ``now``
+(seconds, any monotonic origin) so timeouts are deterministic in tests.
+
+The machine is in one :class:`Phase` at a time (``machine.phase``): ``WAITING`` for the
+boundary's hashes (leader) or roster (follower), ``COMPUTING`` its own gradient,
+``COLLECTING`` the roster's other gradients, then (the step committed) ``WAITING`` at the
+next boundary; ``FINISHED`` and ``HALTED`` are final. The pieces it owns: who is in the
+group (``membership.Membership``), the hashes seen (``hashes.HashBook``), the leader's
+sync guard (``judge.judge``) and the gradient codec (``codec.Codec``, ``F32`` by
+default), used both to accept a payload and to decode it for the roster-order sum, so
+every member sums the decoded values of the same bytes, its own included.
 
 Steps and boundaries
 --------------------
@@ -56,15 +65,30 @@ Failures (part 2)
 
 from __future__ import annotations
 
-from collections import Counter
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import Any, Protocol
+from enum import Enum
+from typing import Any
 
 import numpy as np
 
 from daisyweb.protocol import wire
-from daisyweb.protocol.averaging import GradientError, average_in_roster_order, check_gradient
+from daisyweb.protocol.actions import (
+    Action,
+    Commit,
+    Compute,
+    Excluded,
+    Finish,
+    Replica,
+    Send,
+    SendSnapshot,
+    Stopped,
+)
+from daisyweb.protocol.averaging import GradientError, average_in_roster_order
+from daisyweb.protocol.codec import F32, Codec
+from daisyweb.protocol.hashes import HashBook
+from daisyweb.protocol.judge import HaltRun, judge
+from daisyweb.protocol.membership import Membership, successor
 
 __all__ = [
     "Replica",
@@ -76,123 +100,22 @@ __all__ = [
     "Excluded",
     "Finish",
     "Stopped",
+    "Phase",
     "StepMachine",
-    "grad_to_payload",
-    "payload_to_grad",
     "successor",
 ]
 
 HISTORY = 8  # steps of gradients the leader keeps for repair
 
 
-class Replica(Protocol):
-    """What the machine needs of the training state (``train.TrainState`` fits).
+class Phase(Enum):
+    """Where one peer's machine is in the step at its boundary."""
 
-    ``backup``/``restore`` are optional: without them an amendment of an already
-    committed step halts instead of rolling back.
-    """
-
-    @property
-    def step(self) -> int: ...
-
-    @property
-    def size(self) -> int: ...
-
-    def apply(self, average: np.ndarray) -> None: ...
-
-    def weight_hash(self) -> str: ...
-
-
-# ----------------------------------------------------------------------------- actions
-
-
-@dataclass(frozen=True)
-class Send:
-    """Send ``message`` to ``to`` (peer ids); ``to=None`` means every connected peer."""
-
-    to: tuple[str, ...] | None
-    message: wire.Message
-
-
-@dataclass(frozen=True)
-class Compute:
-    """Compute the local gradient for ``step``; answer with ``local_gradient``."""
-
-    step: int
-
-
-@dataclass(frozen=True)
-class Commit:
-    """Step ``step`` was applied: the replica is now at boundary ``step + 1``.
-
-    ``rollback`` is True when this commit replaces an earlier one of the same step
-    (an amended roster); the driver should overwrite that step's record.
-    """
-
-    step: int
-    roster: tuple[str, ...]
-    loss: float | None
-    weight_hash: str
-    probe_hash: str
-    rollback: bool = False
-
-
-@dataclass(frozen=True)
-class SendSnapshot:
-    """Leader only: send config + snapshot of the current boundary ``step`` to ``peer``."""
-
-    peer: str
-    step: int
-
-
-@dataclass(frozen=True)
-class Excluded:
-    """``peer`` was removed from the group (informational; already acted on)."""
-
-    peer: str
-    reason: str
-
-
-@dataclass(frozen=True)
-class Finish:
-    """The run reached its last step with every member's hashes agreeing."""
-
-    step: int
-
-
-@dataclass(frozen=True)
-class Stopped:
-    """The run halted at ``step`` on this peer; the replica is a valid state."""
-
-    step: int
-    reason: str
-
-
-Action = Send | Compute | Commit | SendSnapshot | Excluded | Finish | Stopped
-
-
-# ----------------------------------------------------------------------------- helpers
-
-
-def grad_to_payload(grad: np.ndarray) -> bytes:
-    """float32 vector -> little-endian bytes (what ``wire.Gradient.payload`` holds)."""
-    return np.ascontiguousarray(grad, dtype="<f4").tobytes()
-
-
-def payload_to_grad(payload: bytes) -> np.ndarray:
-    """Inverse of :func:`grad_to_payload` (a native float32 copy, writable)."""
-    return np.frombuffer(payload, dtype="<f4").astype(np.float32)
-
-
-def successor(roster: Sequence[str], old_leader: str, alive: Callable[[str], bool]) -> str | None:
-    """Next live peer after ``old_leader`` in ``roster`` order (cyclic), or None."""
-    members = list(roster)
-    start = members.index(old_leader) + 1 if old_leader in members else 0
-    for i in range(len(members)):
-        p = members[(start + i) % len(members)]
-        if p != old_leader and alive(p):
-            return p
-    return None
+    WAITING = "waiting"  # for the boundary's hashes (leader) or its roster (follower)
+    COMPUTING = "computing"  # the local gradient of the boundary's step
+    COLLECTING = "collecting"  # own gradient in; the roster's others still missing
+    FINISHED = "finished"  # the last step committed with every member's hashes agreeing
+    HALTED = "halted"  # stopped; the replica is a valid (last committed) state
 
 
 @dataclass
@@ -200,7 +123,7 @@ class _Step:
     """Everything known about one step in flight."""
 
     roster: tuple[str, ...] | None = None
-    grads: dict[str, bytes] = field(default_factory=dict)
+    grads: dict[str, bytes] = field(default_factory=dict)  # sender -> payload as received
     own_sent_at: float | None = None
     requested: dict[str, float] = field(default_factory=dict)
     computing: bool = False
@@ -222,6 +145,7 @@ class StepMachine:
         join_timeout: float = 30.0,
         history: int = HISTORY,
         version: int = wire.PROTOCOL_VERSION,
+        codec: Codec = F32,
     ) -> None:
         self.self_id = self_id
         self.version = version  # what this peer speaks (a test hook may change it)
@@ -232,25 +156,18 @@ class StepMachine:
         self.repair_after = repair_after
         self.join_timeout = join_timeout
         self.history = history
-        # Participants in join order: who the leader puts in the next roster. Followers
-        # keep it too (learned from rosters) so they can pick the same successor.
-        self.participants: list[str] = list(dict.fromkeys([*members, self_id]))
-        self.down: set[str] = set()
-        self.done = False  # finished or halted: every later event is ignored
+        self.codec = codec
+        self.members = Membership(self_id, members)
+        self._end: Phase | None = None  # FINISHED or HALTED: every later event is ignored
         self._steps: dict[int, _Step] = {}
-        # boundary -> peer -> (weight hash, probe hash, roster hash), latest message wins
-        self._hashes: dict[int, dict[str, tuple[str, str, str]]] = {}
-        self._own_hashes: dict[int, tuple[str, str]] = {}
+        self._hashes = HashBook()
         self._losses: dict[int, float] = {}
-        self._last_roster: tuple[str, ...] = tuple(self.participants)
+        self._last_roster: tuple[str, ...] = tuple(self.members.participants)
         self._had_roster = False  # a follower knows the group's order only from a roster
         self._rosters_seen: dict[tuple[str, int], tuple[str, ...]] = {}  # (from, step)
         self._committed: dict[int, tuple[str, ...]] = {}  # step -> roster used
         self._backup: tuple[int, Any] | None = None  # (boundary, replica.backup())
         self._published: set[int] = set()  # boundaries whose roster the leader issued
-        self._pending: dict[str, float] = {}  # joiner -> time announced
-        self._offered: dict[str, int] = {}  # joiner -> boundary its snapshot is for
-        self._excluded: set[str] = set()
 
     # ------------------------------------------------------------------ properties
     @property
@@ -260,6 +177,20 @@ class StepMachine:
     @property
     def boundary(self) -> int:
         return self.replica.step
+
+    @property
+    def done(self) -> bool:
+        """Finished or halted."""
+        return self._end is not None
+
+    @property
+    def phase(self) -> Phase:
+        if self._end is not None:
+            return self._end
+        st = self._steps.get(self.boundary)
+        if st is None or st.roster is None:
+            return Phase.WAITING
+        return Phase.COMPUTING if st.computing else Phase.COLLECTING
 
     def roster(self, step: int) -> tuple[str, ...] | None:
         s = self._steps.get(step)
@@ -278,11 +209,11 @@ class StepMachine:
     ) -> list[Action]:
         """The driver finished a :class:`Compute` for ``step``."""
         out: list[Action] = []
-        st = self._steps.get(step)
-        if self.done or st is None or step != self.boundary or not st.computing:
+        if step != self.boundary or self.phase is not Phase.COMPUTING:
             return out  # stale (e.g. the step was rolled forward by an amendment)
+        st = self._steps[step]
         st.computing = False
-        payload = grad_to_payload(grad)
+        payload = self.codec.encode(grad)
         self._losses[step] = float(loss)
         # Our own gradient goes through the same checks as everyone else's: a local
         # NaN halts here before anything leaves the machine.
@@ -298,7 +229,7 @@ class StepMachine:
     def message(self, peer: str, msg: wire.Message, now: float = 0.0) -> list[Action]:
         """A decoded message from ``peer``."""
         out: list[Action] = []
-        if self.done or peer in self._excluded:
+        if self.done or peer in self.members.excluded:
             return out
         if isinstance(msg, wire.Hello):
             self._on_hello(out, peer, msg)
@@ -315,7 +246,7 @@ class StepMachine:
         elif isinstance(msg, wire.Halt):
             # Any participant may stop the group: one that refused a gradient is the
             # only one that knows (the sender's own copy may be fine). Joiners may not.
-            if peer == self.leader or peer in self.participants:
+            if peer == self.leader or peer in self.members.participants:
                 self._stop(out, msg.step, f"{peer}: {msg.reason}", broadcast=False)
         if not self.done:
             self._progress(out, now)
@@ -331,13 +262,9 @@ class StepMachine:
     def peer_down(self, peer: str, now: float = 0.0) -> list[Action]:
         """The mesh lost ``peer`` (heartbeat timeout or closed channel)."""
         out: list[Action] = []
-        if self.done or peer in self.down or peer == self.self_id:
+        if self.done or peer in self.members.down or peer == self.self_id:
             return out
-        self.down.add(peer)
-        self._pending.pop(peer, None)
-        self._offered.pop(peer, None)
-        if peer in self.participants:
-            self.participants.remove(peer)
+        self.members.went_down(peer)
         if peer == self.leader and not self._had_roster:
             # No roster yet, so no agreed order to pick a successor from: every
             # follower would pick itself (split brain). Stop instead; nothing is lost.
@@ -346,9 +273,9 @@ class StepMachine:
             return out
         if peer == self.leader:
             roster = self.roster(self.boundary) or self._last_roster
-            new = successor(roster, peer, self._alive)
+            new = successor(roster, peer, self.members.alive)
             if new is None:
-                new = next((p for p in self.participants if self._alive(p)), self.self_id)
+                new = next(iter(self.members.live_participants()), self.self_id)
             self.leader = new
             if self.is_leader:
                 # Re-issue what the old leader may not have finished issuing.
@@ -365,10 +292,9 @@ class StepMachine:
         out: list[Action] = []
         if self.done or not self.is_leader or peer == self.self_id:
             return out
-        if peer in self.participants or peer in self._excluded:
+        if peer in self.members.participants or peer in self.members.excluded:
             return out
-        self.down.discard(peer)
-        self._pending.setdefault(peer, now)
+        self.members.came_up(peer, now)
         self._progress(out, now)
         return out
 
@@ -380,69 +306,57 @@ class StepMachine:
         st = self._steps.get(self.boundary)
         if st is not None and st.roster is not None and st.own_sent_at is not None:
             if now - st.own_sent_at >= self.repair_after:
-                for p in st.roster:
-                    if p in st.grads:
-                        continue
-                    last = st.requested.get(p)
-                    if last is not None and now - last < self.repair_after:
-                        continue
-                    st.requested[p] = now
-                    if self.is_leader:
-                        if not self._alive(p):
-                            self._amend(out, self.boundary, p, now)
-                        else:
-                            # Nobody to ask but the sender itself.
-                            out.append(Send((p,), wire.RepairRequest(self.boundary, p)))
-                    else:
-                        out.append(Send((self.leader,), wire.RepairRequest(self.boundary, p)))
-        for p, t0 in list(self._pending.items()):
-            if p in self._offered and now - t0 >= self.join_timeout:
-                # A joiner that never confirmed its snapshot must not block the group.
-                self._pending.pop(p)
-                self._offered.pop(p)
-                self._excluded.add(p)
-                out.append(Excluded(p, f"{p} did not confirm its snapshot in time"))
+                self._request_repairs(out, st, now)
+        for p in self.members.expire_joiners(now, self.join_timeout):
+            # A joiner that never confirmed its snapshot must not block the group.
+            out.append(Excluded(p, f"{p} did not confirm its snapshot in time"))
         self._progress(out, now)
         return out
 
     # ------------------------------------------------------------------ internals
-    def _alive(self, peer: str) -> bool:
-        return peer not in self.down and peer not in self._excluded
+    def _request_repairs(self, out: list[Action], st: _Step, now: float) -> None:
+        """Ask for each roster gradient still missing (at most once per ``repair_after``)."""
+        for p in st.roster or ():
+            if p in st.grads:
+                continue
+            last = st.requested.get(p)
+            if last is not None and now - last < self.repair_after:
+                continue
+            st.requested[p] = now
+            if self.is_leader:
+                if not self.members.alive(p):
+                    self._amend(out, self.boundary, p, now)
+                else:
+                    # Nobody to ask but the sender itself.
+                    out.append(Send((p,), wire.RepairRequest(self.boundary, p)))
+            else:
+                out.append(Send((self.leader,), wire.RepairRequest(self.boundary, p)))
 
     def _stop(self, out: list[Action], step: int, reason: str, broadcast: bool) -> None:
         if self.done:
             return
-        self.done = True
+        self._end = Phase.HALTED
         if broadcast:
             out.append(Send(None, wire.Halt(step, reason[: wire.MAX_TEXT_LEN])))
         out.append(Stopped(step, reason))
+
+    def _finish(self, out: list[Action], b: int) -> None:
+        self._end = Phase.FINISHED
+        out.append(Finish(b))
 
     def _publish_hashes(self, out: list[Action]) -> None:
         b = self.boundary
         rh = wire.roster_digest(self._committed.get(b - 1))
         hashes = (self.replica.weight_hash(), self.probe())
-        self._own_hashes[b] = hashes
-        self._hashes.setdefault(b, {})[self.self_id] = (*hashes, rh)
-        for old in [k for k in self._own_hashes if k < b - 1]:
-            del self._own_hashes[old]
-        for old in [k for k in self._hashes if k < b - 1]:
-            del self._hashes[old]
+        self._hashes.publish_own(b, self.self_id, hashes, rh)
         out.append(Send(None, wire.StepHashes(b, self.self_id, *hashes, rh)))
-        for peer in list(self._hashes[b]):
+        for peer in self._hashes.peers_at(b):
             self._check_fork(out, b, peer)
 
     def _valid_hashes(self, b: int) -> dict[str, tuple[str, str]]:
-        """Hashes at ``b`` comparable with ours: made with the roster we applied.
-
-        A hash made with another roster of the same step (an amendment raced it) is
-        stale; its sender republishes after recommitting. Joiners publish NO_ROSTER.
-        """
+        """Hashes at ``b`` comparable with ours: made with the roster we applied."""
         mine = wire.roster_digest(self._committed.get(b - 1))
-        return {
-            p: (w, pr)
-            for p, (w, pr, rh) in self._hashes.get(b, {}).items()
-            if rh == mine or (rh == wire.NO_ROSTER and self._offered.get(p) == b)
-        }
+        return self._hashes.comparable(b, mine, self.members.offered.get)
 
     def _on_hello(self, out: list[Action], peer: str, msg: wire.Hello) -> None:
         if msg.peer_id != peer or msg.version == self.version:
@@ -452,16 +366,13 @@ class StepMachine:
         if peer == self.leader and not self.is_leader:
             self._stop(out, self.boundary, f"refused the leader: {reason}", broadcast=False)
             return
-        self._pending.pop(peer, None)
-        self._offered.pop(peer, None)
+        self.members.forget_joiner(peer)
         if self.is_leader:
             self._exclude(out, self.boundary, peer, reason)
             return
         # A follower cannot take anyone out of the roster, but never uses its messages
         # (and never picks it as the next leader); the leader excludes it too.
-        self._excluded.add(peer)
-        if peer in self.participants:
-            self.participants.remove(peer)
+        self.members.exclude(peer)
         out.append(Excluded(peer, reason))
 
     def _on_hashes(self, out: list[Action], peer: str, msg: wire.StepHashes) -> None:
@@ -470,14 +381,14 @@ class StepMachine:
         b = msg.step
         if b < self.boundary - 1 or b > self.boundary + 1:
             return
-        self._hashes.setdefault(b, {})[peer] = (msg.weight_hash, msg.probe_hash, msg.roster_hash)
+        self._hashes.record(b, peer, msg.weight_hash, msg.probe_hash, msg.roster_hash)
         self._check_fork(out, b, peer)
 
     def _check_fork(self, out: list[Action], b: int, peer: str) -> None:
         # Each peer judges the members of the step that produced boundary b itself, so
         # a fork stops everyone even if the leader's Halt is lost; joiners and excluded
         # peers are the leader's call.
-        own = self._own_hashes.get(b)
+        own = self._hashes.own.get(b)
         if own is None or peer == self.self_id or b != self.boundary:
             return
         if peer not in self._committed.get(b - 1, ()):
@@ -496,9 +407,7 @@ class StepMachine:
         self, out: list[Action], step: int, members: tuple[str, ...], now: float
     ) -> None:
         b = self.boundary
-        for p in members:
-            if p not in self.participants:
-                self.participants.append(p)
+        self.members.learn(members)
         self._last_roster = members
         self._had_roster = True
         if step == b - 1 and self._committed.get(step) not in (None, members):
@@ -546,9 +455,9 @@ class StepMachine:
         self._accept_gradient(out, s, msg.sender, msg.payload)
 
     def _accept_gradient(self, out: list[Action], step: int, sender: str, payload: bytes) -> bool:
-        """Validate and store one gradient; halt (state untouched) if it is bad."""
+        """Validate (decode) and store one gradient; halt (state untouched) if it is bad."""
         try:
-            check_gradient(payload_to_grad(payload), self.replica.size, f"gradient from {sender}")
+            self.codec.decode(payload, self.replica.size, f"gradient from {sender}")
         except GradientError as exc:
             self._stop(out, step, f"refused at step {step}: {exc}", broadcast=True)
             return False
@@ -568,7 +477,7 @@ class StepMachine:
         payload = st.grads.get(msg.sender_of_missing) if st else None
         if payload is not None:
             out.append(Send((peer,), wire.Gradient(msg.step, msg.sender_of_missing, payload)))
-        elif msg.step == self.boundary and not self._alive(msg.sender_of_missing):
+        elif msg.step == self.boundary and not self.members.alive(msg.sender_of_missing):
             self._amend(out, msg.step, msg.sender_of_missing, now)
 
     def _amend(self, out: list[Action], step: int, dead: str, now: float) -> None:
@@ -579,12 +488,8 @@ class StepMachine:
         if not members:
             return
         out.append(Excluded(dead, f"{dead} died before its gradient of step {step} arrived"))
-        out.append(Send(self._others(members), wire.Roster(step, members)))
+        out.append(Send(self.members.others(members), wire.Roster(step, members)))
         self._set_roster(out, step, members, now)
-
-    def _others(self, members: Sequence[str] = ()) -> tuple[str, ...]:
-        peers = dict.fromkeys([*self.participants, *members])
-        return tuple(p for p in peers if p != self.self_id and self._alive(p))
 
     def _rollback(self, out: list[Action], step: int, members: tuple[str, ...], now: float) -> None:
         restore = getattr(self.replica, "restore", None)
@@ -608,12 +513,22 @@ class StepMachine:
             return False
         if any(p not in st.grads for p in st.roster):
             return False  # exactly the roster's gradients, never a partial average
-        grads = [payload_to_grad(st.grads[p]) for p in st.roster]
+        # The decoded values of the very bytes every member holds (its own included).
+        size = self.replica.size
+        grads = [self.codec.decode(st.grads[p], size, f"gradient from {p}") for p in st.roster]
         backup = getattr(self.replica, "backup", None)
         if backup is not None:
             self._backup = (step, backup())
         self.replica.apply(average_in_roster_order(grads))
         self._committed[step] = st.roster
+        self._forget_before(step)
+        self._publish_hashes(out)
+        wh, ph = self._hashes.own[self.boundary]
+        out.append(Commit(step, st.roster, self._losses.pop(step, None), wh, ph, rollback))
+        return True
+
+    def _forget_before(self, step: int) -> None:
+        """After committing ``step``: drop what no repair or rollback can need any more."""
         for old in [k for k in self._committed if k < step - self.history]:
             del self._committed[old]
         for old in [k for k in self._steps if k < step - self.history + 1]:
@@ -625,10 +540,6 @@ class StepMachine:
             for k, s in self._steps.items():
                 if k < step:
                     s.grads = {}
-        self._publish_hashes(out)
-        wh, ph = self._own_hashes[self.boundary]
-        out.append(Commit(step, st.roster, self._losses.pop(step, None), wh, ph, rollback))
-        return True
 
     def _progress(self, out: list[Action], now: float) -> None:
         """Advance as far as the known facts allow."""
@@ -645,9 +556,8 @@ class StepMachine:
     def _maybe_finish(self, out: list[Action], b: int) -> None:
         have = self._valid_hashes(b)
         prev = self._committed.get(b - 1, ())
-        if all(p in have or not self._alive(p) for p in prev):
-            self.done = True
-            out.append(Finish(b))
+        if all(p in have or not self.members.alive(p) for p in prev):
+            self._finish(out, b)
 
     def _lead(self, out: list[Action], b: int, now: float) -> None:
         st = self._steps.get(b)
@@ -655,47 +565,37 @@ class StepMachine:
             # Step in flight: a member that died before sending is amended away.
             if st is not None and st.roster is not None:
                 for p in st.roster:
-                    if not self._alive(p) and p not in st.grads:
+                    if not self.members.alive(p) and p not in st.grads:
                         self._amend(out, b, p, now)
                         return
             return
         if st is not None and st.roster is not None:
             # We took over mid-step: re-issue the roster we were working on.
             self._published.add(b)
-            members = tuple(p for p in st.roster if self._alive(p) or p in st.grads)
-            out.append(Send(self._others(members), wire.Roster(b, members)))
+            members = tuple(p for p in st.roster if self.members.alive(p) or p in st.grads)
+            out.append(Send(self.members.others(members), wire.Roster(b, members)))
             self._set_roster(out, b, members, now)
             self._lead(out, b, now)
             return
         have = self._valid_hashes(b)
-        expected = [p for p in self.participants if self._alive(p)]
+        expected = self.members.live_participants()
         if any(p not in have for p in expected):
             return
         if b < self.total_steps:
             # Joiners get a snapshot of this boundary before its roster is named.
-            for p in self._pending:
-                if p not in self._offered and self._alive(p):
-                    self._offered[p] = b
-                    self._pending[p] = now
-                    out.append(SendSnapshot(p, b))
-            waiting = [p for p, ob in self._offered.items() if ob == b and p not in have]
-            if waiting:
+            out.extend(SendSnapshot(p, b) for p in self.members.offer_snapshots(b, now))
+            if any(p not in have for p in self.members.offered_at(b)):
                 return
-        joiners = [p for p, ob in self._offered.items() if ob == b and p in have]
+        joiners = [p for p in self.members.offered_at(b) if p in have]
         if not self._judge(out, b, have, expected, joiners):
             return
-        for p in joiners:
-            self._pending.pop(p, None)
-            self._offered.pop(p, None)
-            if p not in self._excluded and p not in self.participants:
-                self.participants.append(p)
+        self.members.admit(joiners)
         if b >= self.total_steps:
-            self.done = True
-            out.append(Finish(b))
+            self._finish(out, b)
             return
-        members = tuple(p for p in self.participants if self._alive(p))
+        members = tuple(self.members.live_participants())
         self._published.add(b)
-        out.append(Send(self._others(members), wire.Roster(b, members)))
+        out.append(Send(self.members.others(members), wire.Roster(b, members)))
         self._set_roster(out, b, members, now)
 
     def _judge(
@@ -706,43 +606,15 @@ class StepMachine:
         expected: list[str],
         joiners: list[str],
     ) -> bool:
-        """Leader's sync guard at boundary ``b``; False if the run stopped."""
-        own_w = have[self.self_id][0]
-        # Weights: members must agree exactly. Name the minority when there is a
-        # strict majority, otherwise everyone's hash.
-        weights = Counter(have[p][0] for p in expected)
-        if len(weights) > 1:
-            top, n = weights.most_common(1)[0]
-            if n * 2 > len(expected):
-                bad = [p for p in expected if have[p][0] != top]
-                reason = f"weights diverged at step {b}: {', '.join(bad)} differ from the majority"
-            else:
-                listing = ", ".join(f"{p}={have[p][0][:12]}" for p in expected)
-                reason = f"weights diverged at step {b} with no majority: {listing}"
-            self._stop(out, b, reason, broadcast=True)
-            return False
-        for p in joiners:
-            if have[p][0] != own_w:
-                self._exclude(out, b, p, f"{p}: snapshot weight hash does not match at step {b}")
-        # Probes: the majority over everyone judged at this boundary wins.
-        judged = expected + [p for p in joiners if p not in self._excluded]
-        probes = Counter(have[p][1] for p in judged)
-        top, n = probes.most_common(1)[0]
-        if n * 2 <= len(judged) and len(probes) > 1:
-            listing = ", ".join(f"{p}={have[p][1][:12]}" for p in judged)
-            self._stop(out, b, f"kernel probes disagree with no majority: {listing}", True)
-            return False
-        for p in judged:
-            if have[p][1] != top:
-                if p == self.self_id:
-                    self._stop(out, b, f"leader {p}'s kernel probe differs from the majority", True)
-                    return False
-                self._exclude(out, b, p, f"{p}: kernel probe hash differs from the majority")
+        """Leader's sync guard at boundary ``b`` (``judge.judge``); False if the run stopped."""
+        for ruling in judge(b, self.self_id, have, expected, joiners, self.members.excluded):
+            if isinstance(ruling, HaltRun):
+                self._stop(out, b, ruling.reason, True)
+                return False
+            self._exclude(out, b, ruling.peer, ruling.reason)
         return True
 
     def _exclude(self, out: list[Action], b: int, peer: str, reason: str) -> None:
-        self._excluded.add(peer)
-        if peer in self.participants:
-            self.participants.remove(peer)
+        self.members.exclude(peer)
         out.append(Send((peer,), wire.Halt(b, f"excluded: {reason}")))
         out.append(Excluded(peer, reason))

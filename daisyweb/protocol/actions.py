@@ -1,0 +1,110 @@
+"""What the step machine (``daisyweb.protocol.sync``) asks of its driver, and of the replica.
+
+The machine is sans-IO: each event method returns a list of these actions and the driver
+carries them out in order. :class:`Replica` is what the machine needs of the training
+state (``daisyweb.training.state.TrainState`` fits).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Protocol
+
+import numpy as np
+
+from daisyweb.protocol import wire
+
+__all__ = [
+    "Replica",
+    "Action",
+    "Send",
+    "Compute",
+    "Commit",
+    "SendSnapshot",
+    "Excluded",
+    "Finish",
+    "Stopped",
+]
+
+
+class Replica(Protocol):
+    """What the machine needs of the training state (``TrainState`` fits).
+
+    ``backup``/``restore`` are optional: without them an amendment of an already
+    committed step halts instead of rolling back.
+    """
+
+    @property
+    def step(self) -> int: ...
+
+    @property
+    def size(self) -> int: ...
+
+    def apply(self, average: np.ndarray) -> None: ...
+
+    def weight_hash(self) -> str: ...
+
+
+@dataclass(frozen=True)
+class Send:
+    """Send ``message`` to ``to`` (peer ids); ``to=None`` means every connected peer."""
+
+    to: tuple[str, ...] | None
+    message: wire.Message
+
+
+@dataclass(frozen=True)
+class Compute:
+    """Compute the local gradient for ``step``; answer with ``local_gradient``."""
+
+    step: int
+
+
+@dataclass(frozen=True)
+class Commit:
+    """Step ``step`` was applied: the replica is now at boundary ``step + 1``.
+
+    ``rollback`` is True when this commit replaces an earlier one of the same step
+    (an amended roster); the driver should overwrite that step's record.
+    """
+
+    step: int
+    roster: tuple[str, ...]
+    loss: float | None
+    weight_hash: str
+    probe_hash: str
+    rollback: bool = False
+
+
+@dataclass(frozen=True)
+class SendSnapshot:
+    """Leader only: send config + snapshot of the current boundary ``step`` to ``peer``."""
+
+    peer: str
+    step: int
+
+
+@dataclass(frozen=True)
+class Excluded:
+    """``peer`` was removed from the group (informational; already acted on)."""
+
+    peer: str
+    reason: str
+
+
+@dataclass(frozen=True)
+class Finish:
+    """The run reached its last step with every member's hashes agreeing."""
+
+    step: int
+
+
+@dataclass(frozen=True)
+class Stopped:
+    """The run halted at ``step`` on this peer; the replica is a valid state."""
+
+    step: int
+    reason: str
+
+
+Action = Send | Compute | Commit | SendSnapshot | Excluded | Finish | Stopped
