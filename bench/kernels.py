@@ -129,7 +129,7 @@ def main(argv: list[str] | None = None) -> None:
     rows = [run_shape(m, k, n, rounds, slow_rate) for m, k, n in shapes]
     md = table(rows)
     verdict = {True: "passed", False: "demoted", None: "not gated (never needed; lazy)"}
-    gate = ", ".join(f"{name} {verdict[ok]}" for name, ok in kernels.backends())
+    gate = ", ".join(f"{name} {verdict[ok]}" for name, ok in kernels.gate_verdicts())
     cmd = "python -m bench.kernels" + (" --quick" if args.quick else "")
     body = "\n".join([
         "## Kernels: exact int8 GEMM vs numpy matmul",

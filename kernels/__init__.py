@@ -1,4 +1,5 @@
-"""Verified int8 kernels (SPEC section 4). No I/O here; demotions are logged via ``logging``.
+"""Verified exact int8 kernels: every forward GEMM of the model runs through them, and each
+result is bit-identical on every machine. No I/O here; demotions are logged via ``logging``.
 
 Modules: ``quantize`` (quantize/dequantize and their exact precision schedule), ``backends``
 (blas, blas64, mirror, lut), ``gate`` (the exact start-up sweep), ``audit`` (stratified
@@ -20,9 +21,9 @@ from .backends import K_BLOCK_F32 as K_BLOCK
 from .dispatch import (
     active_backend,
     backend_status,
-    backends,
     counters,
     demotions,
+    gate_verdicts,
     gemm_int8,
     int8_matmul,
     use_backend,
@@ -40,10 +41,10 @@ __all__ = [
     "active_backend",
     "audit",
     "backend_status",
-    "backends",
     "counters",
     "demotions",
     "dequantize",
+    "gate_verdicts",
     "gemm_int8",
     "int8_matmul",
     "probe_hash",

@@ -72,8 +72,9 @@ def active_backend() -> str:
     raise RuntimeError("no kernel backend passed its gate, not even the integer mirror")
 
 
-def backends() -> list[tuple[str, bool | None]]:
-    """[(name, status)] best first: True passed its gate, False demoted, None not gated yet."""
+def gate_verdicts() -> list[tuple[str, bool | None]]:
+    """[(backend name, verdict)] best first: True passed its gate, False demoted, None not
+    gated yet. (Named so, not ``backends``, to leave ``kernels.backends`` the submodule.)"""
     return [(name, _status.get(name)) for name in ORDER]
 
 

@@ -158,7 +158,7 @@ def test_gate_failure_demotes_logged_and_visible(monkeypatch: pytest.MonkeyPatch
         got = gemm_int8(a, b)
     assert np.array_equal(got, ref(a, b))
     assert kernels.active_backend() == "blas64"
-    assert dict(kernels.backends())["blas"] is False
+    assert dict(kernels.gate_verdicts())["blas"] is False
     assert "blas demoted" in caplog.text and "gate" in caplog.text
     assert kernels.demotions()[0]["backend"] == "blas"
     assert "2x1025x3" in kernels.backend_status()["blas"]["reason"]
@@ -175,7 +175,7 @@ def test_forced_backend_that_fails_falls_to_next(monkeypatch: pytest.MonkeyPatch
     dispatch.reset()
     with kernels.use_backend("lut"):
         assert kernels.active_backend() == "mirror"
-    assert dict(kernels.backends())["lut"] is False
+    assert dict(kernels.gate_verdicts())["lut"] is False
 
 
 def test_backend_that_cannot_start_is_demoted(monkeypatch: pytest.MonkeyPatch) -> None:
