@@ -1,16 +1,25 @@
-"""The ``StepHashes`` one step machine has seen: every peer's, near its boundary, and its own.
+"""The ``StepHashes`` one step machine has seen, and the checks every peer runs on them.
 
-Each entry is (weight hash, probe hash, roster hash) per peer per boundary, the latest
-message winning. Only boundaries ``b - 1 .. b + 1`` around the machine's own are kept.
+:class:`HashBook` holds (weight hash, probe hash, roster hash) per peer per boundary, the
+latest message winning, and the machine's own; only boundaries ``b - 1 .. b + 1`` around
+the machine's own are kept. :class:`HashDuties` is the mixin of
+``daisyweb.protocol.sync.StepMachine`` that publishes its hashes at each boundary, records
+the others' and stops on a fork (a member of the last roster whose weights differ), so a
+fork stops everyone even if the leader's ``Halt`` is lost. The leader's own guard over
+all of them is ``daisyweb.protocol.judge``.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
+from typing import TYPE_CHECKING
 
 from daisyweb.protocol import wire
+from daisyweb.protocol.actions import Action, Replica, Send
+from daisyweb.protocol.ledger import StepLedger
+from daisyweb.protocol.membership import Membership
 
-__all__ = ["HashBook"]
+__all__ = ["HashBook", "HashDuties"]
 
 Hashes = tuple[str, str]  # (weight hash, probe hash)
 
@@ -49,3 +58,67 @@ class HashBook:
             for p, (w, pr, rh) in self.seen.get(b, {}).items()
             if rh == roster_hash or (rh == wire.NO_ROSTER and snapshot_of(p) == b)
         }
+
+
+class HashDuties:
+    """Hash publishing and fork checks of ``StepMachine`` (see the module docstring)."""
+
+    self_id: str
+    replica: Replica
+    probe: Callable[[], str]
+    members: Membership
+    _hashes: HashBook
+    _ledger: StepLedger
+
+    if TYPE_CHECKING:  # provided by StepMachine
+        boundary: int
+        _stop: Callable[[list[Action], int, str, bool], None]
+        _finish: Callable[[list[Action], int], None]
+
+    def _publish_hashes(self, out: list[Action]) -> None:
+        b = self.boundary
+        rh = self._ledger.digest_before(b)
+        hashes = (self.replica.weight_hash(), self.probe())
+        self._hashes.publish_own(b, self.self_id, hashes, rh)
+        out.append(Send(None, wire.StepHashes(b, self.self_id, *hashes, rh)))
+        for peer in self._hashes.peers_at(b):
+            self._check_fork(out, b, peer)
+
+    def _valid_hashes(self, b: int) -> dict[str, tuple[str, str]]:
+        """Hashes at ``b`` comparable with ours: made with the roster we applied."""
+        mine = self._ledger.digest_before(b)
+        return self._hashes.comparable(b, mine, self.members.offered.get)
+
+    def _on_hashes(self, out: list[Action], peer: str, msg: wire.StepHashes) -> None:
+        if msg.sender != peer:
+            return  # hashes are never relayed
+        b = msg.step
+        if b < self.boundary - 1 or b > self.boundary + 1:
+            return
+        self._hashes.record(b, peer, msg.weight_hash, msg.probe_hash, msg.roster_hash)
+        self._check_fork(out, b, peer)
+
+    def _check_fork(self, out: list[Action], b: int, peer: str) -> None:
+        # Each peer judges the members of the step that produced boundary b itself, so
+        # a fork stops everyone even if the leader's Halt is lost; joiners and excluded
+        # peers are the leader's call.
+        own = self._hashes.own.get(b)
+        if own is None or peer == self.self_id or b != self.boundary:
+            return
+        if peer not in self._ledger.committed.get(b - 1, ()):
+            return
+        theirs = self._valid_hashes(b).get(peer)
+        if theirs is not None and theirs[0] != own[0]:
+            self._stop(
+                out,
+                b,
+                f"weight hash mismatch at step {b}: {peer} has {theirs[0][:16]}, "
+                f"{self.self_id} has {own[0][:16]}",
+                broadcast=True,
+            )
+
+    def _maybe_finish(self, out: list[Action], b: int) -> None:
+        have = self._valid_hashes(b)
+        prev = self._ledger.committed.get(b - 1, ())
+        if all(p in have or not self.members.alive(p) for p in prev):
+            self._finish(out, b)

@@ -38,35 +38,13 @@ the update that takes the weights from boundary ``b`` to ``b + 1``. Per step:
    own; any mismatch halts (each peer independently, so a fork stops everyone even if
    the leader's ``Halt`` is lost).
 
-Failures (part 2)
------------------
-- Repair: a member missing a roster gradient ``repair_after`` seconds after it sent its
-  own asks the leader (``RepairRequest``). The leader keeps the raw payloads of the last
-  ``history`` steps and resends them bit-exact (a ``Gradient`` whose ``sender`` is the
-  original sender, relayed by the leader -- the only relay accepted). A leader missing
-  a live member's gradient asks that member, which resends its own.
-- Amendment: if the leader lacks the gradient too and its sender is down, it re-issues
-  ``Roster(b, members - {dead})``; everyone averages over the amended roster. A member
-  that already committed step ``b`` with the old roster rolls back to its backup of
-  boundary ``b`` (kept until the next roster confirms the step) and recommits.
-- Dead follower: removed from the participants, so absent from the next roster; the
-  step in flight is completed by amendment if its gradient never arrived.
-- Leader loss: every survivor picks the same successor -- the first live peer after the
-  old leader in the last roster's order (cyclic) -- and that peer carries on from its
-  last committed step, re-issuing the roster of the step in flight (amended if needed).
-- Join: a peer announced with :meth:`StepMachine.peer_up` is sent a snapshot at the next
-  boundary (the driver builds it: :class:`SendSnapshot`); once its ``StepHashes`` for
-  that boundary match, it is a member from that step on.
-- Protocol version: each peer's first message on a new link is ``Hello(self, version)``.
-  A peer announcing another version is never listened to again: the leader excludes it
-  (it never enters a roster), a follower stops if it is the leader, and otherwise
-  ignores it. Messages that arrive before a Hello are handled as usual.
+Failures -- repair, amendment, a dead follower, leader loss, joins, protocol versions --
+are described in ``daisyweb.protocol.leading``, where most of their handling lives.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
 from enum import Enum
 from typing import Any
 
@@ -86,8 +64,9 @@ from daisyweb.protocol.actions import (
 )
 from daisyweb.protocol.averaging import GradientError, average_in_roster_order
 from daisyweb.protocol.codec import F32, Codec
-from daisyweb.protocol.hashes import HashBook
-from daisyweb.protocol.judge import HaltRun, judge
+from daisyweb.protocol.hashes import HashBook, HashDuties
+from daisyweb.protocol.leading import LeaderDuties
+from daisyweb.protocol.ledger import StepLedger
 from daisyweb.protocol.membership import Membership, successor
 
 __all__ = [
@@ -118,19 +97,10 @@ class Phase(Enum):
     HALTED = "halted"  # stopped; the replica is a valid (last committed) state
 
 
-@dataclass
-class _Step:
-    """Everything known about one step in flight."""
-
-    roster: tuple[str, ...] | None = None
-    grads: dict[str, bytes] = field(default_factory=dict)  # sender -> payload as received
-    own_sent_at: float | None = None
-    requested: dict[str, float] = field(default_factory=dict)
-    computing: bool = False
-
-
-class StepMachine:
-    """One peer's view of the step protocol (see module docstring)."""
+class StepMachine(LeaderDuties, HashDuties):
+    """One peer's view of the step protocol (see module docstring); the leader's duties
+    and gradient repair are in ``daisyweb.protocol.leading``, hash publishing and fork
+    checks in ``daisyweb.protocol.hashes``."""
 
     def __init__(
         self,
@@ -159,13 +129,11 @@ class StepMachine:
         self.codec = codec
         self.members = Membership(self_id, members)
         self._end: Phase | None = None  # FINISHED or HALTED: every later event is ignored
-        self._steps: dict[int, _Step] = {}
+        self._ledger = StepLedger()
         self._hashes = HashBook()
         self._losses: dict[int, float] = {}
         self._last_roster: tuple[str, ...] = tuple(self.members.participants)
         self._had_roster = False  # a follower knows the group's order only from a roster
-        self._rosters_seen: dict[tuple[str, int], tuple[str, ...]] = {}  # (from, step)
-        self._committed: dict[int, tuple[str, ...]] = {}  # step -> roster used
         self._backup: tuple[int, Any] | None = None  # (boundary, replica.backup())
         self._published: set[int] = set()  # boundaries whose roster the leader issued
 
@@ -187,14 +155,13 @@ class StepMachine:
     def phase(self) -> Phase:
         if self._end is not None:
             return self._end
-        st = self._steps.get(self.boundary)
+        st = self._ledger.get(self.boundary)
         if st is None or st.roster is None:
             return Phase.WAITING
         return Phase.COMPUTING if st.computing else Phase.COLLECTING
 
     def roster(self, step: int) -> tuple[str, ...] | None:
-        s = self._steps.get(step)
-        return s.roster if s else self._committed.get(step)
+        return self._ledger.roster(step)
 
     # ------------------------------------------------------------------ events
     def start(self, now: float = 0.0) -> list[Action]:
@@ -211,7 +178,7 @@ class StepMachine:
         out: list[Action] = []
         if step != self.boundary or self.phase is not Phase.COMPUTING:
             return out  # stale (e.g. the step was rolled forward by an amendment)
-        st = self._steps[step]
+        st = self._ledger.steps[step]
         st.computing = False
         payload = self.codec.encode(grad)
         self._losses[step] = float(loss)
@@ -236,7 +203,7 @@ class StepMachine:
         elif isinstance(msg, wire.StepHashes):
             self._on_hashes(out, peer, msg)
         elif isinstance(msg, wire.Roster):
-            self._rosters_seen[(peer, msg.step)] = msg.members
+            self._ledger.rosters_seen[(peer, msg.step)] = msg.members
             if peer == self.leader and not self.is_leader:
                 self._on_roster(out, msg.step, msg.members, now)
         elif isinstance(msg, wire.Gradient):
@@ -281,7 +248,7 @@ class StepMachine:
                 # Re-issue what the old leader may not have finished issuing.
                 self._published = {b for b in self._published if b < self.boundary}
             else:
-                seen = self._rosters_seen.get((new, self.boundary))
+                seen = self._ledger.rosters_seen.get((new, self.boundary))
                 if seen is not None:
                     self._on_roster(out, self.boundary, seen, now)
         self._progress(out, now)
@@ -303,7 +270,7 @@ class StepMachine:
         out: list[Action] = []
         if self.done:
             return out
-        st = self._steps.get(self.boundary)
+        st = self._ledger.get(self.boundary)
         if st is not None and st.roster is not None and st.own_sent_at is not None:
             if now - st.own_sent_at >= self.repair_after:
                 self._request_repairs(out, st, now)
@@ -314,24 +281,6 @@ class StepMachine:
         return out
 
     # ------------------------------------------------------------------ internals
-    def _request_repairs(self, out: list[Action], st: _Step, now: float) -> None:
-        """Ask for each roster gradient still missing (at most once per ``repair_after``)."""
-        for p in st.roster or ():
-            if p in st.grads:
-                continue
-            last = st.requested.get(p)
-            if last is not None and now - last < self.repair_after:
-                continue
-            st.requested[p] = now
-            if self.is_leader:
-                if not self.members.alive(p):
-                    self._amend(out, self.boundary, p, now)
-                else:
-                    # Nobody to ask but the sender itself.
-                    out.append(Send((p,), wire.RepairRequest(self.boundary, p)))
-            else:
-                out.append(Send((self.leader,), wire.RepairRequest(self.boundary, p)))
-
     def _stop(self, out: list[Action], step: int, reason: str, broadcast: bool) -> None:
         if self.done:
             return
@@ -343,20 +292,6 @@ class StepMachine:
     def _finish(self, out: list[Action], b: int) -> None:
         self._end = Phase.FINISHED
         out.append(Finish(b))
-
-    def _publish_hashes(self, out: list[Action]) -> None:
-        b = self.boundary
-        rh = wire.roster_digest(self._committed.get(b - 1))
-        hashes = (self.replica.weight_hash(), self.probe())
-        self._hashes.publish_own(b, self.self_id, hashes, rh)
-        out.append(Send(None, wire.StepHashes(b, self.self_id, *hashes, rh)))
-        for peer in self._hashes.peers_at(b):
-            self._check_fork(out, b, peer)
-
-    def _valid_hashes(self, b: int) -> dict[str, tuple[str, str]]:
-        """Hashes at ``b`` comparable with ours: made with the roster we applied."""
-        mine = wire.roster_digest(self._committed.get(b - 1))
-        return self._hashes.comparable(b, mine, self.members.offered.get)
 
     def _on_hello(self, out: list[Action], peer: str, msg: wire.Hello) -> None:
         if msg.peer_id != peer or msg.version == self.version:
@@ -375,34 +310,6 @@ class StepMachine:
         self.members.exclude(peer)
         out.append(Excluded(peer, reason))
 
-    def _on_hashes(self, out: list[Action], peer: str, msg: wire.StepHashes) -> None:
-        if msg.sender != peer:
-            return  # hashes are never relayed
-        b = msg.step
-        if b < self.boundary - 1 or b > self.boundary + 1:
-            return
-        self._hashes.record(b, peer, msg.weight_hash, msg.probe_hash, msg.roster_hash)
-        self._check_fork(out, b, peer)
-
-    def _check_fork(self, out: list[Action], b: int, peer: str) -> None:
-        # Each peer judges the members of the step that produced boundary b itself, so
-        # a fork stops everyone even if the leader's Halt is lost; joiners and excluded
-        # peers are the leader's call.
-        own = self._hashes.own.get(b)
-        if own is None or peer == self.self_id or b != self.boundary:
-            return
-        if peer not in self._committed.get(b - 1, ()):
-            return
-        theirs = self._valid_hashes(b).get(peer)
-        if theirs is not None and theirs[0] != own[0]:
-            self._stop(
-                out,
-                b,
-                f"weight hash mismatch at step {b}: {peer} has {theirs[0][:16]}, "
-                f"{self.self_id} has {own[0][:16]}",
-                broadcast=True,
-            )
-
     def _on_roster(
         self, out: list[Action], step: int, members: tuple[str, ...], now: float
     ) -> None:
@@ -410,7 +317,7 @@ class StepMachine:
         self.members.learn(members)
         self._last_roster = members
         self._had_roster = True
-        if step == b - 1 and self._committed.get(step) not in (None, members):
+        if step == b - 1 and self._ledger.committed.get(step) not in (None, members):
             self._rollback(out, step, members, now)
             return
         if step != b:
@@ -423,7 +330,7 @@ class StepMachine:
     def _set_roster(
         self, out: list[Action], step: int, members: tuple[str, ...], now: float
     ) -> None:
-        st = self._steps.setdefault(step, _Step())
+        st = self._ledger.open(step)
         old = st.roster
         if old is not None and old != members:
             # Amendment: only removal of senders is allowed; keep what we have.
@@ -447,7 +354,7 @@ class StepMachine:
         s = msg.step
         if s != self.boundary:
             return  # too old (committed) or too new (cannot happen on ordered channels)
-        st = self._steps.setdefault(s, _Step())
+        st = self._ledger.open(s)
         if st.roster is not None and msg.sender not in st.roster:
             return
         if msg.sender in st.grads or msg.sender == self.self_id:
@@ -461,54 +368,27 @@ class StepMachine:
         except GradientError as exc:
             self._stop(out, step, f"refused at step {step}: {exc}", broadcast=True)
             return False
-        self._steps.setdefault(step, _Step()).grads[sender] = payload
+        self._ledger.open(step).grads[sender] = payload
         return True
-
-    def _on_repair_request(
-        self, out: list[Action], peer: str, msg: wire.RepairRequest, now: float
-    ) -> None:
-        st = self._steps.get(msg.step)
-        if not self.is_leader:
-            # A follower only resends its own gradient (the leader asks when it lacks it).
-            own = st.grads.get(self.self_id) if st else None
-            if msg.sender_of_missing == self.self_id and peer == self.leader and own:
-                out.append(Send((peer,), wire.Gradient(msg.step, self.self_id, own)))
-            return
-        payload = st.grads.get(msg.sender_of_missing) if st else None
-        if payload is not None:
-            out.append(Send((peer,), wire.Gradient(msg.step, msg.sender_of_missing, payload)))
-        elif msg.step == self.boundary and not self.members.alive(msg.sender_of_missing):
-            self._amend(out, msg.step, msg.sender_of_missing, now)
-
-    def _amend(self, out: list[Action], step: int, dead: str, now: float) -> None:
-        st = self._steps.get(step)
-        if st is None or st.roster is None or dead not in st.roster or dead in st.grads:
-            return
-        members = tuple(p for p in st.roster if p != dead)
-        if not members:
-            return
-        out.append(Excluded(dead, f"{dead} died before its gradient of step {step} arrived"))
-        out.append(Send(self.members.others(members), wire.Roster(step, members)))
-        self._set_roster(out, step, members, now)
 
     def _rollback(self, out: list[Action], step: int, members: tuple[str, ...], now: float) -> None:
         restore = getattr(self.replica, "restore", None)
         if self._backup is None or self._backup[0] != step or restore is None:
             self._stop(out, step, f"roster of committed step {step} was amended", True)
             return
-        st = self._steps.get(step)
+        st = self._ledger.get(step)
         if st is None or not set(members) <= set(st.grads):
             self._stop(out, step, f"amended roster of step {step} cannot be rebuilt", True)
             return
         restore(self._backup[1])
-        self._committed.pop(step, None)
-        self._steps.pop(step + 1, None)
+        self._ledger.committed.pop(step, None)
+        self._ledger.steps.pop(step + 1, None)
         st.roster = members
         st.grads = {p: g for p, g in st.grads.items() if p in members}
         self._try_commit(out, step, rollback=True)
 
     def _try_commit(self, out: list[Action], step: int, rollback: bool = False) -> bool:
-        st = self._steps.get(step)
+        st = self._ledger.get(step)
         if st is None or st.roster is None or step != self.boundary:
             return False
         if any(p not in st.grads for p in st.roster):
@@ -520,26 +400,12 @@ class StepMachine:
         if backup is not None:
             self._backup = (step, backup())
         self.replica.apply(average_in_roster_order(grads))
-        self._committed[step] = st.roster
-        self._forget_before(step)
+        self._ledger.committed[step] = st.roster
+        self._ledger.forget_before(step, self.history, keep_grads=self.is_leader)
         self._publish_hashes(out)
         wh, ph = self._hashes.own[self.boundary]
         out.append(Commit(step, st.roster, self._losses.pop(step, None), wh, ph, rollback))
         return True
-
-    def _forget_before(self, step: int) -> None:
-        """After committing ``step``: drop what no repair or rollback can need any more."""
-        for old in [k for k in self._committed if k < step - self.history]:
-            del self._committed[old]
-        for old in [k for k in self._steps if k < step - self.history + 1]:
-            del self._steps[old]
-        for key in [k for k in self._rosters_seen if k[1] < step]:
-            del self._rosters_seen[key]
-        if not self.is_leader:
-            # Followers never resend; keep only the step for a possible rollback.
-            for k, s in self._steps.items():
-                if k < step:
-                    s.grads = {}
 
     def _progress(self, out: list[Action], now: float) -> None:
         """Advance as far as the known facts allow."""
@@ -553,68 +419,3 @@ class StepMachine:
                 self._maybe_finish(out, b)
             return
 
-    def _maybe_finish(self, out: list[Action], b: int) -> None:
-        have = self._valid_hashes(b)
-        prev = self._committed.get(b - 1, ())
-        if all(p in have or not self.members.alive(p) for p in prev):
-            self._finish(out, b)
-
-    def _lead(self, out: list[Action], b: int, now: float) -> None:
-        st = self._steps.get(b)
-        if b in self._published:
-            # Step in flight: a member that died before sending is amended away.
-            if st is not None and st.roster is not None:
-                for p in st.roster:
-                    if not self.members.alive(p) and p not in st.grads:
-                        self._amend(out, b, p, now)
-                        return
-            return
-        if st is not None and st.roster is not None:
-            # We took over mid-step: re-issue the roster we were working on.
-            self._published.add(b)
-            members = tuple(p for p in st.roster if self.members.alive(p) or p in st.grads)
-            out.append(Send(self.members.others(members), wire.Roster(b, members)))
-            self._set_roster(out, b, members, now)
-            self._lead(out, b, now)
-            return
-        have = self._valid_hashes(b)
-        expected = self.members.live_participants()
-        if any(p not in have for p in expected):
-            return
-        if b < self.total_steps:
-            # Joiners get a snapshot of this boundary before its roster is named.
-            out.extend(SendSnapshot(p, b) for p in self.members.offer_snapshots(b, now))
-            if any(p not in have for p in self.members.offered_at(b)):
-                return
-        joiners = [p for p in self.members.offered_at(b) if p in have]
-        if not self._judge(out, b, have, expected, joiners):
-            return
-        self.members.admit(joiners)
-        if b >= self.total_steps:
-            self._finish(out, b)
-            return
-        members = tuple(self.members.live_participants())
-        self._published.add(b)
-        out.append(Send(self.members.others(members), wire.Roster(b, members)))
-        self._set_roster(out, b, members, now)
-
-    def _judge(
-        self,
-        out: list[Action],
-        b: int,
-        have: dict[str, tuple[str, str]],
-        expected: list[str],
-        joiners: list[str],
-    ) -> bool:
-        """Leader's sync guard at boundary ``b`` (``judge.judge``); False if the run stopped."""
-        for ruling in judge(b, self.self_id, have, expected, joiners, self.members.excluded):
-            if isinstance(ruling, HaltRun):
-                self._stop(out, b, ruling.reason, True)
-                return False
-            self._exclude(out, b, ruling.peer, ruling.reason)
-        return True
-
-    def _exclude(self, out: list[Action], b: int, peer: str, reason: str) -> None:
-        self.members.exclude(peer)
-        out.append(Send((peer,), wire.Halt(b, f"excluded: {reason}")))
-        out.append(Excluded(peer, reason))

@@ -18,16 +18,17 @@ import pytest
 
 from daisyweb.optim import AdamConfig, DaisyAdam, weight_hash
 from daisyweb.protocol import wire
+from daisyweb.protocol.codec import F32, Codec
 from daisyweb.protocol.sync import (
     Commit,
     Compute,
     Excluded,
     Finish,
+    Phase,
     Send,
     SendSnapshot,
     StepMachine,
     Stopped,
-    successor,
 )
 from daisyweb.training.replay import replay, replay_hashes
 
@@ -92,6 +93,7 @@ class Bus:
         drop: Callable[[str, str, wire.Message], bool] | None = None,
         repair_after: float = 1.0,
         late: tuple[str, ...] = (),
+        codec: Codec = F32,
     ) -> None:
         self.rng = random.Random(seed)
         self.grad = grad
@@ -108,6 +110,7 @@ class Bus:
                 leader=peers[0],
                 members=[q for q in peers if q not in late] if p == peers[0] else (),
                 repair_after=repair_after,
+                codec=codec,
             )
             for p in peers
         }
@@ -512,14 +515,6 @@ def test_leader_killed_mid_step_successor_finishes(seed: int) -> None:
     assert [c.step for c in bus.commits["b"] if not c.rollback][-1] == 5  # no step lost
 
 
-def test_successor_rule() -> None:
-    alive = {"b", "d"}.__contains__
-    assert successor(("a", "b", "c", "d"), "a", alive) == "b"
-    assert successor(("a", "b", "c", "d"), "c", alive) == "d"
-    assert successor(("d", "a", "b"), "b", alive) == "d"
-    assert successor(("a",), "a", alive) is None
-
-
 def test_join_gets_a_snapshot_at_a_boundary() -> None:
     bus = Bus(["a", "b", "c", "d"], steps=6, late=("d",))
     d = bus.machines.pop("d")
@@ -716,3 +711,52 @@ def test_same_version_or_forged_hello_changes_nothing() -> None:
     assert set(bus.finished) == {"a", "b", "c"}, bus.stopped
     assert not bus.excluded
     assert all(len(c.roster) == 3 for c in bus.commits["a"])
+
+
+# --------------------------------------------------------------------------- phases, codec
+
+
+def test_phases_name_where_each_machine_is() -> None:
+    bus = Bus(["a", "b"], steps=2)
+    assert bus.machines["a"].phase is Phase.WAITING
+    bus.hold_compute.add("b")
+    bus.start()
+    bus.run()
+    a, b = bus.machines["a"], bus.machines["b"]
+    assert (a.phase, b.phase) == (Phase.COLLECTING, Phase.COMPUTING)  # a waits for b's
+    bus.hold_compute.clear()
+    bus.run()
+    assert a.phase is b.phase is Phase.FINISHED
+    assert a.halt(a.boundary, "late") == [] and a.phase is Phase.FINISHED
+    bus2 = _trained(steps=5, upto=1)
+    m = bus2.machines["b"]
+    m.halt(m.boundary, "stop")
+    assert m.phase is Phase.HALTED and m.done
+
+
+class TruncatingCodec:
+    """A lossy codec for the test: keeps sign, exponent and 3 mantissa bits of each value."""
+
+    name = "trunc12"
+
+    def encode(self, vector: np.ndarray) -> bytes:
+        bits = np.ascontiguousarray(vector, dtype="<f4").view("<u4") & np.uint32(0xFFF00000)
+        return bits.tobytes()
+
+    def decode(self, payload: bytes, size: int, who: str = "payload") -> np.ndarray:
+        return F32.decode(payload, size, who)
+
+
+def test_a_lossy_codec_keeps_members_equal_summing_the_decoded_bytes() -> None:
+    peers = ["a", "b", "c"]
+    codec = TruncatingCodec()
+    bus = Bus(peers, steps=3, seed=2, codec=codec)
+    bus.start()
+    bus.run()
+    assert set(bus.finished) == set(peers) and not bus.stopped
+    # Every member (its own gradient included) sums what the bytes decode to.
+    decoded = [(roster, {p: codec.decode(codec.encode(g), SIZE) for p, g in grads.items()})
+               for roster, grads in bus.oracle_steps("a")]
+    expect = replay(initial_params(), ADAM, decoded)
+    assert _final_hashes(bus, peers) == {expect}
+    assert expect != replay(initial_params(), ADAM, bus.oracle_steps("a"))  # it is lossy
