@@ -30,10 +30,15 @@ __all__ = [
     "FIELD_RULES",
     "MODEL_FIELDS",
     "RUN_FIELDS",
+    "ROUND_FIELDS",
+    "LOCKSTEP",
+    "CODEC_NAMES",
+    "MAX_SYNC_EVERY",
     "check_field",
     "check_heads",
     "check_model",
     "check_run",
+    "check_rounds",
     "is_lower_hex",
 ]
 
@@ -42,7 +47,14 @@ __all__ = [
 DEFAULTS: MappingProxyType[str, int | float | str] = MappingProxyType({
     "width": 128, "layers": 4, "heads": 4, "seq": 64,
     "batch": 8, "steps": 300, "lr": 3e-3, "seed": 0, "data": "builtin",
+    # Rounds of 32 local steps exchanging int8 deltas: the mode that reaches a given
+    # held-out loss soonest on real links (docs/limits.md, python -m bench.scaling).
+    "sync_every": 32, "codec": "int8", "outer_lr": 1.0,
 })
+# What a run without these settings (an older checkpoint) was: lockstep, float32.
+LOCKSTEP = MappingProxyType({"sync_every": 1, "codec": "f32", "outer_lr": 1.0})
+CODEC_NAMES = ("f32", "int8")
+MAX_SYNC_EVERY = 1 << 20
 
 MAX_DIM = 1 << 31  # every model dimension and the batch size
 MAX_STEP = (1 << 63) - 1  # steps fit a signed 64-bit int everywhere
@@ -88,9 +100,13 @@ FIELD_RULES: MappingProxyType[str, FieldRule] = MappingProxyType({
     "steps": FieldRule(int, 1, MAX_STEP, "a positive integer"),
     "lr": FieldRule(float, 0.0, MAX_LR, f"a positive number up to {MAX_LR:g}", lo_open=True),
     "seed": FieldRule(int, 0, MAX_SEED, "an integer >= 0"),
+    "sync_every": FieldRule(int, 1, MAX_SYNC_EVERY, "a positive integer"),
+    "outer_lr": FieldRule(float, 0.0, MAX_LR, f"a positive number up to {MAX_LR:g}",
+                          lo_open=True),
 })
 MODEL_FIELDS = ("vocab", "width", "layers", "heads", "seq")
 RUN_FIELDS = ("batch", "steps", "lr", "seed", "data")
+ROUND_FIELDS = ("sync_every", "codec", "outer_lr")
 
 
 def check_field(name: str, value: Any, prefix: str = "") -> Any:
@@ -128,6 +144,14 @@ def check_run(batch: Any, steps: Any, lr: Any, seed: Any, data: Any) -> None:
     if type(data) is not str or not 1 <= len(data) <= MAX_DATA_LEN:
         raise ValueError(f"data must be a source name of 1..{MAX_DATA_LEN} characters, "
                          f"got {data!r:.80}")
+
+
+def check_rounds(sync_every: Any, codec: Any, outer_lr: Any) -> None:
+    """How members exchange: every ``sync_every`` steps, through ``codec``, outer step size."""
+    check_field("sync_every", sync_every)
+    check_field("outer_lr", outer_lr)
+    if codec not in CODEC_NAMES:
+        raise ValueError(f"codec must be one of {', '.join(CODEC_NAMES)}, got {codec!r:.40}")
 
 
 _LOWER_HEX = re.compile(r"[0-9a-f]+")

@@ -68,7 +68,7 @@ __all__ = [
     "Reassembler",
 ]
 
-PROTOCOL_VERSION = 1
+PROTOCOL_VERSION = 2  # 2: Config carries sync_every, codec, outer_lr
 
 # Limits. Generous for the project's models, small enough that a hostile peer
 # cannot make us allocate without bound.
@@ -169,6 +169,15 @@ def _bytes(max_len: int, multiple: int = 1) -> Checker:
     return check
 
 
+def _choice(*allowed: str) -> Checker:
+    def check(t: str, name: str, v: Any) -> str:
+        if v not in allowed:
+            raise _fail(t, name, f"must be one of {', '.join(allowed)}")
+        return str(v)
+
+    return check
+
+
 def _members(t: str, name: str, v: Any) -> tuple[str, ...]:
     if type(v) not in (list, tuple):
         raise _fail(t, name, f"expected list of str, got {type(v).__name__}")
@@ -234,6 +243,9 @@ class Config(_Msg):
     lr: float
     seed: int
     data: str
+    sync_every: int
+    codec: str
+    outer_lr: float
 
     type: ClassVar[str] = "config"
     _checks: ClassVar[dict[str, Checker]] = {
@@ -247,6 +259,9 @@ class Config(_Msg):
         "lr": _float(0.0, 10.0, lo_open=True),
         "seed": _int(0, MAX_U64),
         "data": _str(MAX_TEXT_LEN),
+        "sync_every": _int(1, 1 << 20),
+        "codec": _choice("f32", "int8"),
+        "outer_lr": _float(0.0, 10.0, lo_open=True),
     }
 
     @classmethod

@@ -17,7 +17,7 @@ from daisyweb.checkpoints.checkpoint import Checkpoint
 from daisyweb.model import ModelConfig
 from daisyweb.optim import AdamConfig
 from daisyweb.protocol import wire
-from daisyweb.rules import DEFAULTS, check_run
+from daisyweb.rules import DEFAULTS, LOCKSTEP, check_rounds, check_run
 
 __all__ = ["DEFAULTS", "RunConfig", "run_config"]
 
@@ -32,6 +32,10 @@ class RunConfig:
     lr: float = float(DEFAULTS["lr"])
     seed: int = int(DEFAULTS["seed"])
     data: str = str(DEFAULTS["data"])
+    # Lockstep (1) or rounds of H local steps; what members exchange and the outer step.
+    sync_every: int = int(DEFAULTS["sync_every"])
+    codec: str = str(DEFAULTS["codec"])
+    outer_lr: float = float(DEFAULTS["outer_lr"])
 
     def __post_init__(self) -> None:
         if not isinstance(self.model, ModelConfig):
@@ -39,6 +43,7 @@ class RunConfig:
                              f"got {type(self.model).__name__}")
         try:
             check_run(self.batch, self.steps, self.lr, self.seed, self.data)
+            check_rounds(self.sync_every, self.codec, self.outer_lr)
         except ValueError as exc:
             raise ValueError(f"bad run config: {exc}") from None
 
@@ -50,7 +55,8 @@ class RunConfig:
         return wire.Config.from_dict({
             "width": m.width, "layers": m.layers, "heads": m.heads, "seq": m.seq,
             "vocab": m.vocab, "batch": self.batch, "steps": self.steps, "lr": self.lr,
-            "seed": self.seed, "data": self.data,
+            "seed": self.seed, "data": self.data, "sync_every": self.sync_every,
+            "codec": self.codec, "outer_lr": self.outer_lr,
         })
 
     @classmethod
@@ -58,19 +64,30 @@ class RunConfig:
         model = ModelConfig(vocab=msg.vocab, width=msg.width, layers=msg.layers,
                             heads=msg.heads, seq=msg.seq)
         return cls(model=model, batch=msg.batch, steps=msg.steps, lr=msg.lr,
-                   seed=msg.seed, data=msg.data)
+                   seed=msg.seed, data=msg.data, sync_every=msg.sync_every,
+                   codec=msg.codec, outer_lr=msg.outer_lr)
 
     def to_dict(self) -> dict[str, Any]:
         """Plain metadata for a checkpoint's ``run`` dict (the model goes separately)."""
         return {"batch": self.batch, "steps": self.steps, "lr": self.lr,
-                "seed": self.seed, "data": self.data}
+                "seed": self.seed, "data": self.data, "sync_every": self.sync_every,
+                "codec": self.codec, "outer_lr": self.outer_lr}
+
+    @property
+    def rounds(self) -> bool:
+        """True when members train ``sync_every`` local steps between exchanges."""
+        return self.sync_every > 1
 
     @classmethod
     def from_checkpoint(cls, ckpt: Checkpoint) -> RunConfig:
         run = ckpt.run
         try:
+            # A checkpoint from before rounds existed was trained in lockstep.
+            mode = {k: run.get(k, v) for k, v in LOCKSTEP.items()}
             return cls(model=ckpt.model, batch=int(run["batch"]), steps=int(run["steps"]),
-                       lr=float(run["lr"]), seed=int(run["seed"]), data=str(run["data"]))
+                       lr=float(run["lr"]), seed=int(run["seed"]), data=str(run["data"]),
+                       sync_every=int(mode["sync_every"]), codec=str(mode["codec"]),
+                       outer_lr=float(mode["outer_lr"]))
         except (KeyError, TypeError, ValueError) as exc:
             raise ValueError(f"checkpoint run metadata is incomplete: {exc}") from None
 
@@ -87,6 +104,9 @@ def run_config(
     lr: float | None = None,
     seed: int | None = None,
     data: str = str(DEFAULTS["data"]),
+    sync_every: int | None = None,
+    codec: str | None = None,
+    outer_lr: float | None = None,
 ) -> RunConfig:
     """A validated :class:`RunConfig`; every ``None`` takes its value from :data:`DEFAULTS`.
 
@@ -99,4 +119,6 @@ def run_config(
     model = ModelConfig(vocab=vocab, width=pick("width", width), layers=pick("layers", layers),
                         heads=pick("heads", heads), seq=pick("seq", seq))
     return RunConfig(model=model, batch=pick("batch", batch), steps=pick("steps", steps),
-                     lr=pick("lr", lr), seed=pick("seed", seed), data=data)
+                     lr=pick("lr", lr), seed=pick("seed", seed), data=data,
+                     sync_every=pick("sync_every", sync_every), codec=pick("codec", codec),
+                     outer_lr=pick("outer_lr", outer_lr))

@@ -14,13 +14,16 @@ def test_bounds_are_the_wire_configs() -> None:
     assert rules.MAX_SEED == wire.MAX_U64
     assert rules.MAX_DATA_LEN == wire.MAX_TEXT_LEN
     base = {"width": 8, "layers": 1, "heads": 2, "seq": 4, "vocab": 9, "batch": 1,
-            "steps": 1, "lr": 1e-3, "seed": 0, "data": "builtin"}
+            "steps": 1, "lr": 1e-3, "seed": 0, "data": "builtin", "sync_every": 1,
+            "codec": "f32", "outer_lr": 1.0}
     edges = {
         "width": [0, 1, rules.MAX_DIM, rules.MAX_DIM + 1, True],
         "batch": [0, 1, rules.MAX_DIM, rules.MAX_DIM + 1],
         "steps": [0, 1, rules.MAX_STEP, rules.MAX_STEP + 1],
         "lr": [0.0, 1e-9, rules.MAX_LR, rules.MAX_LR + 1e-6, float("nan"), 1],
         "seed": [-1, 0, rules.MAX_SEED, rules.MAX_SEED + 1],
+        "sync_every": [0, 1, rules.MAX_SYNC_EVERY, rules.MAX_SYNC_EVERY + 1],
+        "outer_lr": [0.0, 0.5, rules.MAX_LR, rules.MAX_LR + 1e-6, float("inf")],
     }
     for name, values in edges.items():
         for value in values:
@@ -31,6 +34,20 @@ def test_bounds_are_the_wire_configs() -> None:
             except wire.WireError:
                 wire_ok = False
             assert rules.FIELD_RULES[name].accepts(value) == wire_ok, (name, value)
+
+
+def test_codec_names_are_the_wire_configs() -> None:
+    base = rules.DEFAULTS | {"vocab": 9, "width": 8, "heads": 2}
+    for name in (*rules.CODEC_NAMES, "int4", "", "F32"):
+        try:
+            wire.Config.from_dict(dict(base, codec=name))
+            wire_ok = True
+        except wire.WireError:
+            wire_ok = False
+        assert wire_ok == (name in rules.CODEC_NAMES), name
+        if not wire_ok:
+            with pytest.raises(ValueError, match="codec must be one of"):
+                rules.check_rounds(1, name, 1.0)
 
 
 def test_lower_hex() -> None:

@@ -674,7 +674,7 @@ def test_leader_excludes_a_follower_of_another_protocol_version() -> None:
     _hello_first(bus, "c", 999)
     bus.start()
     bus.run()
-    why = "c speaks protocol version 999, a speaks 1"
+    why = f"c speaks protocol version 999, a speaks {wire.PROTOCOL_VERSION}"
     assert [(e.peer, e.reason) for e in bus.excluded if e.reason == why] == [("c", why)]
     assert "c" in bus.stopped and why in bus.stopped["c"].reason  # told by the leader
     assert set(bus.finished) == {"a", "b"}, bus.stopped
@@ -691,7 +691,7 @@ def test_follower_refuses_a_leader_of_another_protocol_version() -> None:
     _hello_first(bus, "a", 999, to="b")
     bus.start()
     bus.run()
-    why = "refused the leader: a speaks protocol version 999, b speaks 1"
+    why = f"refused the leader: a speaks protocol version 999, b speaks {wire.PROTOCOL_VERSION}"
     assert bus.stopped["b"].reason == why
     assert not bus.commits["b"] and bus.replicas["b"].step == 0
     bus.kill("b")  # the driver exits non-zero; the others go on without it

@@ -1,0 +1,132 @@
+"""In-process simulation of a group: the product's own trainers, codecs and averaging.
+
+N members, each with its own batches (the peer-keyed sampler a real peer uses), step
+through rounds exactly as the protocol does -- contribute, encode (with error feedback),
+decode the same bytes, average in roster order, apply -- without any network. It is
+what ``bench.scaling`` uses to compare modes at equal tokens; the real-process part of
+that benchmark checks the same numbers against real peers.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from daisyweb.data import BatchSampler, builtin_tokens, default_tokenizer
+from daisyweb.model import ModelConfig
+from daisyweb.protocol.averaging import average_in_roster_order
+from daisyweb.protocol.codec import codec_by_name
+from daisyweb.training.config import RunConfig
+from daisyweb.training.rounds import LockstepTrainer, RoundTrainer, round_count
+from daisyweb.training.state import TrainState
+
+try:  # the held-out split of the built-in corpus, once it ships
+    from daisyweb.data import heldout_tokens  # type: ignore[attr-defined]
+except ImportError:  # pragma: no cover - until then: the last 5% by tokens
+    heldout_tokens = None
+
+
+@dataclass
+class SimResult:
+    peers: int
+    sync_every: int
+    codec: str
+    outer_lr: float
+    steps: int  # inner steps per peer
+    curve: list[tuple[int, float]] = field(default_factory=list)  # (inner step, held-out)
+    bytes_per_peer: int = 0  # payload bytes each peer sent to each other member
+    compute_s: float = 0.0
+
+    @property
+    def final(self) -> float:
+        return self.curve[-1][1]
+
+
+def corpus() -> tuple[np.ndarray, np.ndarray]:
+    tokens = np.asarray(builtin_tokens())
+    if heldout_tokens is not None:
+        return tokens, np.asarray(heldout_tokens())
+    split = int(tokens.size * 0.95)
+    return tokens[:split], tokens[split:]
+
+
+def heldout_eval(run: RunConfig, held: np.ndarray, batches: int = 8):
+    from daisyweb.model import loss_only
+
+    sampler = BatchSampler(held, batch=run.batch, seq=run.model.seq, seed=12345,
+                           peer="held-out")
+    fixed = [sampler.sample(i) for i in range(1, batches + 1)]
+
+    def evaluate(params: np.ndarray) -> float:
+        return float(np.mean([loss_only(run.model, params, b) for b in fixed]))
+
+    return evaluate
+
+
+def simulate(peers: int, steps: int, sync_every: int = 1, codec: str = "f32",
+             outer_lr: float = 1.0, eval_every: int = 50, batch: int = 8,
+             lr: float = 3e-3, seed: int = 0) -> SimResult:
+    tok = default_tokenizer()
+    train, held = corpus()
+    run = RunConfig(model=ModelConfig(vocab=tok.vocab_size), batch=batch, steps=steps,
+                    lr=lr, seed=seed)
+    evaluate = heldout_eval(run, held)
+    names = [f"peer{i}" for i in range(peers)]
+    samplers = {p: BatchSampler(train, batch=batch, seq=run.model.seq, seed=seed, peer=p)
+                for p in names}
+    trainers = {}
+    for p in names:
+        state = TrainState.fresh(run)
+        trainers[p] = (LockstepTrainer(state) if sync_every == 1
+                       else RoundTrainer(state, sync_every, outer_lr))
+    encoders = {p: codec_by_name(codec).encoder(trainers[p].size)
+                if hasattr(codec_by_name(codec), "encoder") else codec_by_name(codec)
+                for p in names}
+    decoder = codec_by_name(codec)
+    res = SimResult(peers, sync_every, codec, outer_lr, steps)
+    lead = trainers[names[0]]
+    res.curve.append((0, evaluate(lead.state.params)))
+    rounds = round_count(steps, sync_every)
+    next_eval = eval_every
+    t0 = time.perf_counter()
+    for r in range(rounds):
+        payloads = []
+        for p in names:
+            c = trainers[p].contribute(r, lambda s, p=p: samplers[p].sample(s + 1))
+            trainers[p].stage(c)
+            payloads.append(encoders[p].encode(c.vector))
+        res.bytes_per_peer += len(payloads[0])
+        size = lead.size
+        mean = average_in_roster_order([decoder.decode(b, size) for b in payloads])
+        for p in names:
+            trainers[p].apply(mean)
+        hashes = {trainers[p].weight_hash() for p in names}
+        if len(hashes) != 1:
+            raise AssertionError(f"replicas diverged at round {r}")
+        done = lead.inner_steps
+        if done >= next_eval or r == rounds - 1:
+            res.curve.append((done, evaluate(lead.state.params)))
+            next_eval = (done // eval_every + 1) * eval_every
+    res.compute_s = time.perf_counter() - t0
+    return res
+
+
+if __name__ == "__main__":
+    import argparse
+    import json
+
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--peers", type=int, default=2)
+    ap.add_argument("--steps", type=int, default=300)
+    ap.add_argument("--sync-every", type=int, default=1)
+    ap.add_argument("--codec", default="f32")
+    ap.add_argument("--outer-lr", type=float, default=1.0)
+    ap.add_argument("--lr", type=float, default=3e-3)
+    a = ap.parse_args()
+    r = simulate(a.peers, a.steps, a.sync_every, a.codec, a.outer_lr, lr=a.lr)
+    print(json.dumps({"peers": r.peers, "H": r.sync_every, "codec": r.codec,
+                      "outer_lr": r.outer_lr, "lr": a.lr, "steps": r.steps,
+                      "curve": r.curve, "bytes": r.bytes_per_peer,
+                      "s": round(r.compute_s, 1)}))
