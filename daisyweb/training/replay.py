@@ -4,7 +4,8 @@ Every replica in a group must end bit-identical to this: start from the initial
 parameters and a fresh DaisyAdam, and for each committed step average exactly the
 roster's gradients in roster order (``average_in_roster_order``) and take one step.
 Tests feed it the per-peer gradients the peers actually used and compare its hash with
-every peer's final weight hash.
+every peer's final weight hash. :func:`replay_rounds` is the same oracle for runs in
+rounds (``--sync-every H``), fed the decoded round deltas.
 """
 
 from __future__ import annotations
@@ -16,8 +17,9 @@ import numpy as np
 
 from daisyweb.optim import AdamConfig, DaisyAdam, weight_hash
 from daisyweb.protocol.averaging import average_in_roster_order, check_gradient
+from daisyweb.training.rounds import outer_step, round_length, shared_hash
 
-__all__ = ["replay", "replay_hashes"]
+__all__ = ["replay", "replay_hashes", "replay_rounds"]
 
 StepSpec = tuple[Sequence[str], Mapping[str, np.ndarray]]
 
@@ -58,3 +60,34 @@ def replay(
             opt.load_state_dict(optimizer_state)
         return weight_hash(params, opt)
     return replay_hashes(initial_params, adam_config, steps, optimizer_state)[-1]
+
+
+def replay_rounds(
+    initial_params: np.ndarray,
+    rounds: Sequence[StepSpec],
+    *,
+    sync_every: int,
+    total_steps: int,
+    outer_lr: float = 1.0,
+    first_round: int = 0,
+) -> list[str]:
+    """Shared-state hash after every round of a ``--sync-every`` run.
+
+    ``rounds[i]`` holds the roster of round ``first_round + i`` and each member's decoded
+    contribution (its round delta as every member decoded it from the wire). Inner
+    moments are local to each member and do not enter the shared state, so the round
+    deltas alone determine it.
+    """
+    anchor = np.array(initial_params, dtype=np.float32, copy=True)
+    inner = first_round * sync_every
+    out: list[str] = []
+    for i, (roster, deltas) in enumerate(rounds):
+        r = first_round + i
+        missing = [p for p in roster if p not in deltas]
+        if missing:
+            raise ValueError(f"replay round {r}: no contribution from {', '.join(missing)}")
+        ordered = [check_gradient(deltas[p], anchor.size, f"round {r} {p}") for p in roster]
+        anchor = outer_step(anchor, average_in_roster_order(ordered), outer_lr)
+        inner += round_length(r, total_steps, sync_every)
+        out.append(shared_hash(anchor, r + 1, inner))
+    return out

@@ -1,0 +1,141 @@
+"""Rounds of local steps: members stay identical at boundaries, equal to the replay oracle."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from daisyweb.data import BatchSampler
+from daisyweb.model import ModelConfig
+from daisyweb.protocol.averaging import average_in_roster_order
+from daisyweb.training.config import RunConfig
+from daisyweb.training.replay import replay_hashes, replay_rounds
+from daisyweb.training.rounds import (
+    LockstepTrainer,
+    RoundTrainer,
+    outer_step,
+    round_count,
+    round_length,
+)
+from daisyweb.training.state import TrainState
+
+MODEL = ModelConfig(vocab=64, width=16, layers=1, heads=2, seq=8)
+TOKENS = np.arange(4000, dtype=np.int64) * 7 % 64
+
+
+def _run(steps: int, sync_every: int) -> RunConfig:
+    return RunConfig(model=MODEL, batch=2, steps=steps, lr=1e-2, seed=1,
+                     sync_every=sync_every, codec="f32")
+
+
+def _batches(peer: str):
+    s = BatchSampler(TOKENS, batch=2, seq=MODEL.seq, seed=1, peer=peer)
+    return lambda i: s.sample(i + 1)
+
+
+def _group_round(trainers: dict, r: int) -> dict[str, np.ndarray]:
+    contributions = {}
+    for p, t in trainers.items():
+        c = t.contribute(r, _batches(p))
+        t.stage(c)
+        contributions[p] = c.vector
+    mean = average_in_roster_order([contributions[p] for p in trainers])
+    for t in trainers.values():
+        t.apply(mean)
+    return contributions
+
+
+def test_round_lengths_cover_the_run() -> None:
+    assert round_count(10, 4) == 3
+    assert [round_length(r, 10, 4) for r in range(3)] == [4, 4, 2]
+    assert round_count(8, 4) == 2 and round_length(2, 8, 4) == 0
+
+
+def test_outer_step_is_elementwise_float32() -> None:
+    a = np.array([1.0, 2.0, 3.0], dtype=np.float32)
+    d = np.array([0.5, -1.0, 0.25], dtype=np.float32)
+    assert outer_step(a, d, 1.0).tolist() == [0.5, 3.0, 2.75]
+    half = outer_step(a, d, 0.5)
+    assert half.dtype == np.float32 and half.tolist() == [0.75, 2.5, 2.875]
+
+
+def test_members_are_identical_at_every_boundary_and_match_replay() -> None:
+    run = _run(10, 4)
+    trainers = {p: RoundTrainer(TrainState.fresh(run), 4) for p in ("a", "b", "c")}
+    start = trainers["a"].state.params.copy()
+    log = []
+    hashes = []
+    for r in range(round_count(10, 4)):
+        log.append((("a", "b", "c"), _group_round(trainers, r)))
+        seen = {t.weight_hash() for t in trainers.values()}
+        assert len(seen) == 1
+        hashes.append(seen.pop())
+    assert trainers["a"].inner_steps == 10 and trainers["a"].step == 3
+    # the inner moments are local: members differ there by design
+    assert not np.array_equal(trainers["a"].state.optimizer.m, trainers["b"].state.optimizer.m)
+    assert replay_rounds(start, log, sync_every=4, total_steps=10) == hashes
+
+
+def test_replay_detects_a_changed_contribution() -> None:
+    run = _run(8, 4)
+    trainers = {p: RoundTrainer(TrainState.fresh(run), 4) for p in ("a", "b")}
+    start = trainers["a"].state.params.copy()
+    log = [(("a", "b"), _group_round(trainers, r)) for r in range(2)]
+    good = replay_rounds(start, log, sync_every=4, total_steps=8)
+    assert good[-1] == trainers["b"].weight_hash()
+    bent = dict(log[1][1])
+    bent["b"] = bent["b"].copy()
+    bent["b"][0] += np.float32(1e-3)
+    assert replay_rounds(start, [log[0], (("a", "b"), bent)], sync_every=4,
+                         total_steps=8)[-1] != good[-1]
+
+
+def test_contribute_touches_no_shared_state() -> None:
+    t = RoundTrainer(TrainState.fresh(_run(8, 4)), 4)
+    before = t.weight_hash(), t.state.optimizer.state_dict()["m"].copy()
+    t.contribute(0, _batches("a"))
+    assert t.weight_hash() == before[0]
+    assert np.array_equal(t.state.optimizer.m, before[1])
+
+
+def test_apply_without_the_own_contribution_is_refused() -> None:
+    t = RoundTrainer(TrainState.fresh(_run(8, 4)), 4)
+    with pytest.raises(ValueError, match="without this member's inner state"):
+        t.apply(np.zeros(t.size, dtype=np.float32))
+    assert t.step == 0
+
+
+def test_backup_restore_rolls_back_a_committed_round() -> None:
+    t = RoundTrainer(TrainState.fresh(_run(8, 4)), 4)
+    c = t.contribute(0, _batches("a"))
+    t.stage(c)
+    token = t.backup()
+    h0 = t.weight_hash()
+    t.apply(c.vector)
+    assert t.step == 1 and t.weight_hash() != h0
+    t.restore(token)
+    assert t.step == 0 and t.weight_hash() == h0
+    t.apply(c.vector)  # the staged inner state is still there for the recommit
+    assert t.step == 1
+
+
+def test_a_resume_must_start_at_a_round_boundary() -> None:
+    run = _run(12, 4)
+    state = TrainState.fresh(run)
+    LockstepTrainer(state).state.apply(np.zeros(state.size, dtype=np.float32))
+    with pytest.raises(ValueError, match="not a round boundary"):
+        RoundTrainer(state, 4)
+    with pytest.raises(ValueError, match="sync_every >= 2"):
+        RoundTrainer(TrainState.fresh(run), 1)
+
+
+def test_lockstep_trainer_is_the_plain_step() -> None:
+    run = _run(3, 1)
+    t = LockstepTrainer(TrainState.fresh(run))
+    start = t.state.params.copy()
+    grads = []
+    for i in range(3):
+        c = t.contribute(i, _batches("a"))
+        grads.append((("a",), {"a": c.vector}))
+        t.apply(average_in_roster_order([c.vector]))
+    assert replay_hashes(start, run.adam(), grads)[-1] == t.weight_hash()
