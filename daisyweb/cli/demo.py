@@ -25,6 +25,7 @@ from typing import IO
 
 from daisyweb.checkpoints.checkpoint import CheckpointError, TokenizerInfo
 from daisyweb.data import BatchSampler, builtin_tokens, default_tokenizer
+from daisyweb.rules import CODEC_NAMES
 from daisyweb.training.config import DEFAULTS, RunConfig, run_config
 from daisyweb.training.loop import train_local
 from daisyweb.training.metrics import MetricsWriter, Progress, kernel_line, kernel_report
@@ -48,6 +49,12 @@ def _parser() -> argparse.ArgumentParser:
                    help=f"sequences per peer per step (default {DEFAULTS['batch']})")
     p.add_argument("--lr", type=float, help=f"default {DEFAULTS['lr']}")
     p.add_argument("--seed", type=int, help=f"default {DEFAULTS['seed']}")
+    p.add_argument("--sync-every", type=int, metavar="H",
+                   help=f"local steps per exchange; 1 = lockstep (default "
+                        f"{DEFAULTS['sync_every']})")
+    p.add_argument("--codec", choices=CODEC_NAMES,
+                   help=f"what peers exchange (default {DEFAULTS['codec']})")
+    p.add_argument("--outer-lr", type=float, help=f"default {DEFAULTS['outer_lr']}")
     p.add_argument("--save", metavar="FILE.pt", help="write the final checkpoint here")
     p.add_argument("--save-every", type=int, default=0, metavar="K",
                    help="also checkpoint every K steps (needs --save)")
@@ -62,7 +69,8 @@ def _run_config(args: argparse.Namespace, parser: argparse.ArgumentParser) -> Ru
     try:
         return run_config(vocab, width=args.width, layers=args.layers, heads=args.heads,
                           seq=args.seq, batch=args.batch, steps=args.steps, lr=args.lr,
-                          seed=args.seed, data="builtin")
+                          seed=args.seed, data="builtin", sync_every=args.sync_every,
+                          codec=args.codec, outer_lr=args.outer_lr)
     except ValueError as exc:
         parser.error(str(exc))
         raise  # unreachable: parser.error exits
@@ -203,7 +211,8 @@ def peer_commands(args: argparse.Namespace, run: RunConfig, server: str,
         "--width", str(run.model.width), "--layers", str(run.model.layers),
         "--heads", str(run.model.heads), "--seq", str(run.model.seq),
         "--batch", str(run.batch), "--steps", str(run.steps), "--lr", repr(run.lr),
-        "--seed", str(run.seed)]
+        "--seed", str(run.seed), "--sync-every", str(run.sync_every), "--codec", run.codec,
+        "--outer-lr", repr(run.outer_lr)]
     if args.save:
         leader += ["--save", args.save]
         if args.save_every:

@@ -23,13 +23,15 @@ from urllib.parse import urlsplit
 
 # Both pure Python, so flag errors stay instant. daisyweb.rules.DEFAULTS is the one set of
 # run defaults (also daisyweb.training.config.DEFAULTS, and daisyweb-demo's).
-from daisyweb.rules import DEFAULTS, FIELD_RULES, check_heads
+from daisyweb.rules import CODEC_NAMES, DEFAULTS, FIELD_RULES, check_heads
 from signaling.protocol import valid_room  # the signaling server's own room rule
 
 __all__ = ["DEFAULTS", "build_parser", "parse_args", "main"]
 
 PROG = "daisyweb-peer"
-_MODEL_FLAGS = ("width", "layers", "heads", "seq", "batch", "steps", "lr", "seed")
+_MODEL_FLAGS = ("width", "layers", "heads", "seq", "batch", "steps", "lr", "seed",
+                "sync_every", "outer_lr")
+_RUN_FLAGS = (*_MODEL_FLAGS, "codec")
 
 
 class _Parser(argparse.ArgumentParser):
@@ -95,8 +97,10 @@ def build_parser() -> argparse.ArgumentParser:
     # Run flags stay None when not given (a --resume conflict names only given flags);
     # a --start without --resume fills them from DEFAULTS.
     for flag in _MODEL_FLAGS:
-        p.add_argument(f"--{flag}", type=_run_flag(flag),
+        p.add_argument(f"--{flag.replace('_', '-')}", type=_run_flag(flag),
                        help=f"leader: default {DEFAULTS[flag]}")
+    p.add_argument("--codec", choices=CODEC_NAMES, default=None,
+                   help=f"leader: what members exchange (default {DEFAULTS['codec']})")
     p.add_argument("--resume", default=None, metavar="FILE.pt", help="leader: resume a run")
     p.add_argument("--save", default=None, metavar="FILE.pt", help="checkpoint file (atomic)")
     p.add_argument("--save-every", type=_non_negative_int, default=0, metavar="K",
@@ -123,10 +127,11 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
         parser.error(f"--server has a bad port: {args.server!r}")
     if not valid_room(args.room):
         parser.error("--room must be 4-64 characters of A-Z a-z 0-9 _ -")
-    given = [f for f in _MODEL_FLAGS if getattr(args, f) is not None]
+    given = [f for f in _RUN_FLAGS if getattr(args, f) is not None]
     if not args.start:
         if given:
-            parser.error(f"--{given[0]} needs --start (followers take the leader's config)")
+            flag = given[0].replace("_", "-")
+            parser.error(f"--{flag} needs --start (followers take the leader's config)")
         if args.resume:
             parser.error("--resume needs --start (the leader broadcasts the checkpoint)")
         if args.wait_peers != 1:

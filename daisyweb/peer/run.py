@@ -55,6 +55,11 @@ from urllib.parse import urlsplit, urlunsplit
 import numpy as np
 
 from daisyweb.protocol import sync, wire
+from daisyweb.protocol.codec import codec_by_name
+from daisyweb.training.config import RunConfig, run_config
+from daisyweb.training.rounds import Contribution, LockstepTrainer, RoundTrainer, round_count
+from daisyweb.training.state import TrainState
+from kernels import NonFiniteError
 
 __all__ = [
     "PeerError",
@@ -96,6 +101,9 @@ class PeerOptions:
     steps: int | None = None
     lr: float | None = None
     seed: int | None = None
+    sync_every: int | None = None
+    codec: str | None = None
+    outer_lr: float | None = None
     resume: str | None = None
     save: str | None = None
     save_every: int = 0
@@ -118,7 +126,8 @@ def options_from_args(args: argparse.Namespace) -> PeerOptions:
     return PeerOptions(
         server=args.server, room=args.room, name=args.name, approve=args.approve,
         start=args.start, model=model, batch=args.batch, steps=args.steps, lr=args.lr,
-        seed=args.seed, resume=args.resume, save=args.save, save_every=args.save_every,
+        seed=args.seed, sync_every=args.sync_every, codec=args.codec, outer_lr=args.outer_lr,
+        resume=args.resume, save=args.save, save_every=args.save_every,
         metrics=args.metrics, join_timeout=args.join_timeout, stun=list(args.stun),
         ice_hosts=list(args.ice_host), wait_peers=args.wait_peers,
     )
@@ -216,42 +225,78 @@ def _probe() -> str:
 
 
 class _Replica:
-    """TrainState as a :class:`sync.Replica`, with rollback and the fork test hook."""
+    """A lockstep or round trainer as a :class:`sync.Replica`, with the fork test hook."""
 
-    def __init__(self, state: Any, fork_at: int | None) -> None:
-        self.state = state
+    def __init__(self, trainer: LockstepTrainer | RoundTrainer, fork_at: int | None) -> None:
+        self.trainer = trainer
         self.fork_at = fork_at
 
     @property
     def step(self) -> int:
-        return int(self.state.step)
+        return self.trainer.step
 
     @property
     def size(self) -> int:
-        return int(self.state.size)
+        return self.trainer.size
 
     def apply(self, average: np.ndarray) -> None:
-        self.state.apply(average)
-        if self.fork_at is not None and self.state.step == self.fork_at:
-            self.state.params[0] += np.float32(1e-3)  # test hook: a silent divergence
+        self.trainer.apply(average)
+        if self.fork_at is not None and self.trainer.step == self.fork_at:
+            self.trainer.state.params[0] += np.float32(1e-3)  # test hook: a silent divergence
 
     def weight_hash(self) -> str:
-        return str(self.state.weight_hash())
+        return self.trainer.weight_hash()
 
     def backup(self) -> Any:
-        return self.state.params.copy(), self.state.optimizer.state_dict()
+        return self.trainer.backup()
 
     def restore(self, token: Any) -> None:
-        params, opt = token
-        # New arrays, not in place: a gradient thread may still read the old ones.
-        self.state.params = params.copy()
-        self.state.optimizer.load_state_dict(opt)
+        self.trainer.restore(token)
 
 
-def _raising_gradient(batch: np.ndarray) -> tuple[float, np.ndarray]:
+def make_trainer(state: TrainState) -> LockstepTrainer | RoundTrainer:
+    """Lockstep for ``sync_every == 1``, rounds of local steps otherwise."""
+    run = state.run
+    if run.sync_every == 1:
+        return LockstepTrainer(state)
+    return RoundTrainer(state, run.sync_every, run.outer_lr)
+
+
+class _RecordingEncoder:
+    """The run's codec with error feedback; remembers the last payload it produced, so
+    the replay-oracle dump (a test switch) can store what the wire really carried."""
+
+    def __init__(self, name: str, size: int) -> None:
+        codec = codec_by_name(name)
+        self.name = codec.name
+        self._codec = codec
+        self._encoder = codec.encoder(size) if hasattr(codec, "encoder") else codec
+        self.last_payload = b""
+        self.bytes_sent = 0  # payload bytes of this member's own contributions so far
+
+    def encode(self, vector: np.ndarray) -> bytes:
+        self.last_payload = self._encoder.encode(vector)
+        self.bytes_sent += len(self.last_payload)
+        return self.last_payload
+
+    def decode(self, payload: bytes, size: int, who: str = "payload") -> np.ndarray:
+        return self._codec.decode(payload, size, who)
+
+
+def _mode(run: RunConfig) -> str:
+    """The exchange mode as shown to users: ``lockstep f32`` or ``rounds H=32 int8``."""
+    if run.sync_every == 1:
+        return f"lockstep {run.codec}"
+    return f"rounds H={run.sync_every} {run.codec}"
+
+
+def _machine_steps(run: RunConfig) -> int:
+    """What the step machine counts to: steps in lockstep, rounds otherwise."""
+    return run.steps if run.sync_every == 1 else round_count(run.steps, run.sync_every)
+
+
+def _raising_contribution(index: int, batch: Callable[[int], np.ndarray]) -> Contribution:
     """Test hook (DAISYWEB_TEST_GRADIENT_RAISES): what a kernel refusing NaN looks like."""
-    from kernels import NonFiniteError
-
     raise NonFiniteError("test: injected gradient failure")
 
 
@@ -281,9 +326,6 @@ def _tokenizer_info() -> tuple[Any, Any]:
 def _leader_state(opts: PeerOptions, tokinfo: Any) -> Any:
     """The leader's starting TrainState: fresh from flags or resumed from --resume."""
     from daisyweb.checkpoints.checkpoint import CheckpointError, load_checkpoint
-    from daisyweb.model import ModelConfig
-    from daisyweb.training.train import RunConfig, TrainState
-
     if opts.resume:
         if not Path(opts.resume).is_file():
             raise PeerError(2, f"--resume: no such file {opts.resume}")
@@ -294,7 +336,7 @@ def _leader_state(opts: PeerOptions, tokinfo: Any) -> Any:
         except (CheckpointError, ValueError, OSError) as exc:
             raise PeerError(2, f"--resume {opts.resume}: {exc}") from None
         given = dict(opts.model or {})
-        for k in ("batch", "steps", "lr", "seed"):
+        for k in ("batch", "steps", "lr", "seed", "sync_every", "codec", "outer_lr"):
             if getattr(opts, k) is not None:
                 given[k] = getattr(opts, k)
         have = {**ckpt.model.to_dict(), **run.to_dict()}
@@ -305,12 +347,16 @@ def _leader_state(opts: PeerOptions, tokinfo: Any) -> Any:
         if state.step >= run.steps:
             raise PeerError(2, f"--resume {opts.resume}: already at step {state.step} "
                                f"of {run.steps}")
+        try:
+            make_trainer(state)
+        except ValueError as exc:
+            raise PeerError(2, f"--resume {opts.resume}: {exc}") from None
         return state
     m = opts.model or {}
     try:
-        model = ModelConfig(vocab=tokinfo.vocab_size, **m)
-        run = RunConfig(model=model, batch=opts.batch or 8, steps=opts.steps or 200,
-                        lr=opts.lr or 3e-3, seed=opts.seed or 0, data="server")
+        run = run_config(tokinfo.vocab_size, **m, batch=opts.batch, steps=opts.steps,
+                         lr=opts.lr, seed=opts.seed, data="server",
+                         sync_every=opts.sync_every, codec=opts.codec, outer_lr=opts.outer_lr)
     except (TypeError, ValueError) as exc:
         raise PeerError(2, f"bad run config: {exc}") from None
     return TrainState.fresh(run)
@@ -490,7 +536,7 @@ class _Driver:
 
     async def _start_leader(self) -> None:
         run = self.state.run
-        self.replica = _Replica(self.state, self.hooks.fork_at)
+        self._make_replica(self.state)
         self._make_sampler(run)
         deadline = time.monotonic() + self.opts.join_timeout
         ups: list[str] = []
@@ -519,11 +565,11 @@ class _Driver:
                     self.hello_from.add(item[1].peer)
             held.append(item)
         self.machine = sync.StepMachine(
-            self.mesh.self_id, self.replica, run.steps, _probe, leader=self.mesh.self_id,
-            repair_after=self.opts.repair_after, join_timeout=self.opts.join_timeout,
-            version=self.version)
+            self.mesh.self_id, self.replica, _machine_steps(run), _probe,
+            leader=self.mesh.self_id, repair_after=self.opts.repair_after,
+            join_timeout=self.opts.join_timeout, version=self.version, codec=self.encoder)
         _log(f"leading: {self.state.size:,} parameters, {run.steps} steps, "
-             f"from step {self.state.step}")
+             f"from step {self.state.step}, {_mode(run)}")
         self._begin_progress()
         # Hellos first: a peer of another version is excluded before it is offered a
         # snapshot or a place in the first roster.
@@ -595,18 +641,23 @@ class _Driver:
                 state = TrainState.from_checkpoint(ckpt, run)
             except (CheckpointError, ValueError, wire.WireError) as exc:
                 raise PeerError(1, f"refused the snapshot from {ev.peer}: {exc}") from None
-            if state.step != msg.step or state.weight_hash() != msg.weight_hash:
+            boundary = state.step if run.sync_every == 1 else round_count(
+                state.step, run.sync_every)
+            if boundary != msg.step or state.weight_hash() != msg.weight_hash:
                 raise PeerError(1, f"refused the snapshot from {ev.peer}: its weight hash or "
                                    "step does not match what it announced")
             leader = ev.peer
             break
         self.state = state
-        self.replica = _Replica(state, self.hooks.fork_at)
+        try:
+            self._make_replica(state)
+        except ValueError as exc:
+            raise PeerError(1, f"refused the snapshot from {leader}: {exc}") from None
         self._make_sampler(run)
         self.machine = sync.StepMachine(
-            self.mesh.self_id, self.replica, run.steps, _probe, leader=leader,
+            self.mesh.self_id, self.replica, _machine_steps(run), _probe, leader=leader,
             repair_after=self.opts.repair_after, join_timeout=self.opts.join_timeout,
-            version=self.version)
+            version=self.version, codec=self.encoder)
         _log(f"following {leader}: {state.size:,} parameters, from step {state.step} "
              f"of {run.steps} (snapshot {msg.weight_hash[:16]} verified)")
         self._begin_progress()
@@ -614,12 +665,22 @@ class _Driver:
         for item in held:
             await self._handle(item)
 
+    def _shared_hash(self) -> str:
+        replica = self.replica
+        return replica.weight_hash() if replica is not None else self.state.weight_hash()
+
+    def _make_replica(self, state: TrainState) -> None:
+        self.trainer = make_trainer(state)
+        self.replica = _Replica(self.trainer, self.hooks.fork_at)
+        self.encoder = _RecordingEncoder(state.run.codec, state.size)
+
     def _begin_progress(self) -> None:
         from daisyweb.training.train import Progress
 
         self.progress = Progress(self.state.run.steps,
                                  stream=sys.stderr if self.opts.progress else None)
         self.progress.start(self.state.step)
+        self.last_saved = self.state.step  # --save-every counts from where this run starts
 
     # ------------------------------------------------------------------ data
     def _make_sampler(self, run: Any) -> None:
@@ -676,8 +737,8 @@ class _Driver:
                 await asyncio.sleep(DATA_EVERY_S)
 
     def _batch(self, step: int) -> np.ndarray:
-        # Extend only here, between gradients, so the sampler is never used from two
-        # threads at once.
+        # Called by the one compute in flight (in its worker thread) and nowhere else, so
+        # the sampler is never used from two threads at once; the deque is thread-safe.
         while self.pending_tokens:
             self.sampler.extend(self.pending_tokens.popleft())
         return self.sampler.sample(step + 1)
@@ -779,13 +840,17 @@ class _Driver:
         elif kind == "tick":
             await self._do(m.tick(now))
         elif kind == "grad":
-            _, step, loss, grad, secs = item
+            _, step, contribution, secs = item
             self.compute_s[step] = secs
             self.grad_ready[step] = now
-            if self.hooks.dump_grads:
+            self.trainer.stage(contribution)
+            self.encoder.last_payload = b""
+            actions = m.local_gradient(step, contribution.loss, contribution.vector, now)
+            if self.hooks.dump_grads and self.encoder.last_payload:
+                # What every member decodes from our bytes: the replay oracle's input.
                 path = Path(self.hooks.dump_grads) / f"{m.self_id}-{step}.npy"
-                np.save(path, grad)
-            await self._do(m.local_gradient(step, loss, grad, now))
+                np.save(path, self.encoder.decode(self.encoder.last_payload, m.replica.size))
+            await self._do(actions)
         elif kind == "grad_error":
             _, step, exc = item
             if m.done or step != m.boundary:
@@ -848,25 +913,23 @@ class _Driver:
             await asyncio.sleep(self.hooks.step_delay)
         loop = asyncio.get_running_loop()
         t0 = time.perf_counter()
-        state = self.state
         try:
-            batch = self._batch(step)
-            gradient = state.gradient
+            contribute = self.trainer.contribute
             if self.hooks.gradient_raises == step:
-                gradient = _raising_gradient
-            loss, grad = await loop.run_in_executor(None, gradient, batch)
+                contribute = _raising_contribution
+            contribution = await loop.run_in_executor(None, contribute, step, self._batch)
         except Exception as exc:
             # Any failure here (a kernel refusing a NaN activation, a bug) must halt the
             # group: a peer that silently never sends its gradient stalls everyone.
             await self.queue.put(("grad_error", step, exc))
             return
-        await self.queue.put(("grad", step, loss, grad, time.perf_counter() - t0))
+        await self.queue.put(("grad", step, contribution, time.perf_counter() - t0))
 
     def _send_snapshot(self, peer: str, step: int) -> None:
         from daisyweb.checkpoints.checkpoint import checkpoint_to_bytes
 
-        if self.state.step != step:  # cannot happen: the machine asks at its boundary
-            _log(f"not sending a snapshot of step {step} from step {self.state.step}")
+        if self.trainer.step != step:  # cannot happen: the machine asks at its boundary
+            _log(f"not sending a snapshot of step {step} from step {self.trainer.step}")
             return
         payload = checkpoint_to_bytes(self.state.checkpoint(self.tokinfo))
         announced = self.state.weight_hash()
@@ -886,30 +949,42 @@ class _Driver:
 
         now = time.monotonic()
         run = self.state.run
-        tokens = run.batch * run.model.seq * len(c.roster)
+        # A commit is one step in lockstep and one round of local steps otherwise;
+        # progress, metrics and saves count optimizer steps either way.
+        done = self.trainer.inner_steps
+        inner = self.trainer.steps_in(c.step)
+        tokens = run.batch * run.model.seq * len(c.roster) * inner
         t0 = self.step_t0.pop(c.step, now)
         ready = self.grad_ready.pop(c.step, now)
         compute_s = self.compute_s.pop(c.step, 0.0)
+        comm_s = max(0.0, now - ready)
+        wall_s = max(0.0, now - t0)
+        comm_share = comm_s / wall_s if wall_s > 0 else 0.0
         loss = c.loss if c.loss is not None else math.nan
-        tokens_per_s = self.progress.update(c.step + 1, loss, tokens)
+        note = f"{_mode(run)}  comm {comm_share:.0%}"
+        if run.sync_every > 1:
+            note = f"round {c.step + 1}/{self.machine.total_steps}  " + note
+        tokens_per_s = self.progress.update(done, loss, tokens, note=note)
         record = {
-            "step": c.step + 1, "loss": loss, "weight_hash": c.weight_hash,
+            "step": done, "loss": loss, "weight_hash": c.weight_hash,
             "probe_hash": c.probe_hash, "roster": list(c.roster),
-            "tokens_per_s": tokens_per_s, "comm_s": max(0.0, now - ready),
-            "compute_s": compute_s, "wall_s": max(0.0, now - t0),
+            "tokens_per_s": tokens_per_s, "comm_s": comm_s,
+            "compute_s": compute_s, "wall_s": wall_s, "comm_share": comm_share,
+            "mode": _mode(run), "sync_every": run.sync_every, "codec": run.codec,
+            "round": c.step + 1, "bytes_sent": self.encoder.bytes_sent,
         }
         if c.rollback:
             record["rollback"] = True
         self.metrics.write(record)
         every = self.opts.save_every
-        if self.opts.save and every and (c.step + 1) % every == 0:
+        if self.opts.save and every and done // every > self.last_saved // every:
             try:
                 save_checkpoint(self.opts.save, self.state.checkpoint(self.tokinfo))
-                self.last_saved = c.step + 1
+                self.last_saved = done
             except CheckpointError as exc:
                 # The write is atomic (the old file stays) and the replica is fine, so
                 # training goes on; the next save (or the final one) tries again.
-                _log(f"could not save the checkpoint of step {c.step + 1} "
+                _log(f"could not save the checkpoint of step {done} "
                      f"(training goes on): {exc}")
         self.last_loss = float(loss) if math.isfinite(loss) else 0.0
         self.last_peers = len(c.roster)
@@ -917,7 +992,7 @@ class _Driver:
         self.last_extra = {"tokens_per_s": float(tokens_per_s), "probe": c.probe_hash[:16]}
         with contextlib.suppress(Exception):
             await self.mesh.report_status(
-                step=c.step + 1, loss=self.last_loss,
+                step=done, loss=self.last_loss,
                 hash=c.weight_hash[:16], peers=len(c.roster),
                 tokens_per_s=float(tokens_per_s), probe=c.probe_hash[:16], state="training")
 
@@ -937,7 +1012,8 @@ class _Driver:
             except CheckpointError as exc:
                 save_error = str(exc)
         end: dict[str, Any] = {"end": reason, "step": self.state.step,
-                               "weight_hash": self.state.weight_hash()}
+                               # What the group shares (in rounds: not the local moments).
+                               "weight_hash": self._shared_hash()}
         if save_error is not None:
             end["save_error"] = save_error
         kernels: dict[str, Any] | None = None

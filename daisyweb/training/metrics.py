@@ -63,16 +63,18 @@ class Progress:
         """Mark the clock before the first step (``step`` = steps already committed)."""
         self._start, self._start_step, self._tokens = self.clock(), step, 0
 
-    def line(self, step: int, loss: float, tokens_per_s: float) -> str:
+    def line(self, step: int, loss: float, tokens_per_s: float, note: str = "") -> str:
         now = self.clock()
         done = step - (self._start_step or 0)
         rate = done / (now - self._start) if now > self._start and done > 0 else 0.0
         eta = (self.total_steps - step) / rate if rate > 0 else math.inf
         return (f"step {step}/{self.total_steps}  loss {loss:.4f}  "
-                f"{tokens_per_s:,.0f} tok/s  eta {_duration(eta)}")
+                f"{tokens_per_s:,.0f} tok/s  eta {_duration(eta)}"
+                + (f"  {note}" if note else ""))
 
-    def update(self, step: int, loss: float, tokens: int) -> float:
-        """Record a committed step of ``tokens`` tokens; return tokens/s so far."""
+    def update(self, step: int, loss: float, tokens: int, note: str = "") -> float:
+        """Record committed steps up to ``step`` (``tokens`` tokens in all, since the last
+        update); return tokens/s so far. ``note`` (mode, round, ...) ends the line."""
         now = self.clock()
         if self._start_step is None:
             self._start, self._start_step = now, step - 1
@@ -82,7 +84,7 @@ class Progress:
         final = step >= self.total_steps
         if self.stream is not None and (final or now - self._last_print >= self.every):
             self._last_print = now
-            print(self.line(step, loss, tokens_per_s), file=self.stream, flush=True)
+            print(self.line(step, loss, tokens_per_s, note), file=self.stream, flush=True)
         return tokens_per_s
 
 
