@@ -360,15 +360,15 @@ def measure_tcp(cfg: Config) -> Row:
 
 def codec_ms(size: int, repeats: int = 5) -> tuple[float, float]:
     """Best-of-N ms for our wire's own work on one message: (send side, receive side)."""
-    from daisyweb.protocol import wire
+    from daisyweb.protocol import framing, wire
 
     msg = wire.Gradient(step=0, sender="bench", payload=_payload(size))
     tx = rx = float("inf")
     for i in range(repeats):
         t0 = time.perf_counter()
-        frames = wire.frame(wire.encode(msg), i + 1)
+        frames = framing.frame(wire.encode(msg), i + 1)
         t1 = time.perf_counter()
-        r = wire.Reassembler()
+        r = framing.Reassembler()
         out = None
         for f in frames:
             out = r.feed(f)

@@ -30,7 +30,6 @@ import asyncio
 import contextlib
 import itertools
 import logging
-import struct
 import time
 from collections import deque
 from collections.abc import Awaitable, Callable, Iterable, Sequence
@@ -42,7 +41,7 @@ import aiohttp
 from aiortc import RTCDataChannel, RTCPeerConnection, RTCSessionDescription
 
 from daisyweb.net import ice
-from daisyweb.protocol import wire
+from daisyweb.protocol import framing, wire
 
 __all__ = [
     "PeerUp",
@@ -75,8 +74,6 @@ RECONNECT_BACKOFF = (0.2, 5.0)
 # status reports (the only frequent client message) are coalesced to at most 10/s.
 STATUS_MIN_INTERVAL = 0.1
 
-_FRAME_ID = struct.Struct("<4sQ")  # the start of a wire frame header: magic, msg_id
-_FRAME_MAGIC = wire.frame(b"\0", 0)[0][:4]
 
 
 # ----------------------------------------------------------------------------
@@ -172,7 +169,7 @@ class _Link:
         self.pc = pc
         self.channel: RTCDataChannel | None = None
         self.session = session  # which offer this link belongs to (stale answers are ignored)
-        self.reassembler = wire.Reassembler(max_total=max_total)
+        self.reassembler = framing.Reassembler(max_total=max_total)
         self.up = False
         self.dead = False
         self.last_rx = time.monotonic()
@@ -771,7 +768,7 @@ class Mesh:
                 f"{message.type} message is {len(data)} bytes, over max_message_bytes "
                 f"{self.max_message_bytes}"
             )
-        return wire.frame(data, next(self._msg_ids))
+        return framing.frame(data, next(self._msg_ids))
 
     async def _send_frames(self, peer: str, message: wire.Message, frames: list[bytes]) -> None:
         link = self._links.get(peer)
@@ -806,11 +803,7 @@ class Mesh:
         try:
             whole = link.reassembler.feed(data)
         except wire.WireError as e:
-            msg_id = None
-            if len(data) >= _FRAME_ID.size:
-                magic, msg_id = _FRAME_ID.unpack_from(data)
-                if magic != _FRAME_MAGIC:
-                    msg_id = None
+            msg_id = framing.frame_id(data)
             if msg_id is not None and msg_id in link.refused:
                 return  # the rest of a message already reported
             if msg_id is not None:
@@ -860,5 +853,5 @@ class Mesh:
                 # most SEND_HIGH_WATER bytes, so it is never starved by a big transfer.
                 with contextlib.suppress(Exception):  # a closing channel: the drop follows
                     assert link.channel is not None
-                    link.channel.send(wire.frame(data, next(self._msg_ids))[0])
+                    link.channel.send(framing.frame(data, next(self._msg_ids))[0])
             await asyncio.sleep(self.heartbeat_interval)

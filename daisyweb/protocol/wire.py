@@ -1,4 +1,4 @@
-"""Peer-to-peer wire protocol: typed messages, one validating decoder, framing.
+"""Peer-to-peer wire protocol: typed messages and their one validating msgpack codec.
 
 Messages
 --------
@@ -9,26 +9,8 @@ map's keys (no missing, no extra), every field's type and range, and raises
 :class:`WireError` (a ``ValueError``) with a clear message on anything wrong.
 Constructing a message validates it too, so an invalid message is never sent.
 
-Frames
-------
-A data channel message is limited in size, so every encoded message travels as
-one or more frames (small messages are a single frame: one uniform format).
-Each frame is at most ``MAX_FRAME`` (48 KiB = 49152) bytes, header included::
-
-    offset size  field
-    0      4     magic    b"DWF1"
-    4      8     msg_id   u64, little-endian; sender-chosen, unique per message
-    12     4     index    u32, 0 <= index < count
-    16     4     count    u32, number of frames of this message (>= 1)
-    20     4     total    u32, length of the whole message in bytes (>= 1)
-    24     8     checksum blake2b (digest_size=8) of the whole message
-    32     ...   chunk    bytes [index*CHUNK, min(total, (index+1)*CHUNK))
-
-with ``CHUNK = MAX_FRAME - HEADER_SIZE``. ``count`` must equal
-``ceil(total / CHUNK)`` and every chunk has exactly its expected length, so a
-truncated or padded frame is refused on arrival. :class:`Reassembler` collects
-frames per ``msg_id`` in any order and returns the message once all arrived and
-the checksum matches.
+Framing (cutting an encoded message into data channel frames) lives in
+:mod:`daisyweb.protocol.framing`.
 """
 
 from __future__ import annotations
@@ -36,7 +18,6 @@ from __future__ import annotations
 import hashlib
 import math
 import struct
-from collections import OrderedDict
 from collections.abc import Callable
 from dataclasses import dataclass, fields
 from typing import Any, ClassVar
@@ -45,9 +26,6 @@ import msgpack
 
 __all__ = [
     "PROTOCOL_VERSION",
-    "MAX_FRAME",
-    "HEADER_SIZE",
-    "CHUNK",
     "WireError",
     "Hello",
     "Config",
@@ -64,8 +42,6 @@ __all__ = [
     "MESSAGE_TYPES",
     "encode",
     "decode",
-    "frame",
-    "Reassembler",
 ]
 
 PROTOCOL_VERSION = 2  # 2: Config carries sync_every, codec, outer_lr
@@ -81,13 +57,6 @@ MAX_MESSAGE = MAX_PAYLOAD + (1 << 16)  # decode refuses larger inputs outright
 MAX_U64 = (1 << 64) - 1
 MAX_STEP = (1 << 63) - 1  # steps fit a signed 64-bit int everywhere
 MAX_DIM = 1 << 31
-
-MAX_FRAME = 48 * 1024
-_HEADER = struct.Struct("<4sQIII8s")
-HEADER_SIZE = _HEADER.size  # 32
-CHUNK = MAX_FRAME - HEADER_SIZE
-_MAGIC = b"DWF1"
-_MAX_TOTAL_FIELD = (1 << 32) - 1
 
 
 class WireError(ValueError):
@@ -458,160 +427,3 @@ def _from_fields(cls: type[_Msg], obj: dict[str, Any]) -> _Msg:
     if extra:
         raise WireError(f"{t}: unexpected field(s) {', '.join(extra)}")
     return cls(**{n: obj[n] for n in names})
-
-
-# ----------------------------------------------------------------------------
-# Framing
-
-
-def _checksum(data: bytes) -> bytes:
-    return hashlib.blake2b(data, digest_size=8).digest()
-
-
-def _count_for(total: int) -> int:
-    return -(-total // CHUNK)
-
-
-def frame(msg_bytes: bytes, msg_id: int) -> list[bytes]:
-    """Cut one encoded message into frames of at most MAX_FRAME bytes each."""
-    if type(msg_id) is not int or not 0 <= msg_id <= MAX_U64:
-        raise WireError(f"msg_id must be a u64, got {msg_id!r}")
-    if not isinstance(msg_bytes, (bytes, bytearray, memoryview)):
-        raise WireError(f"message must be bytes, got {type(msg_bytes).__name__}")
-    data = bytes(msg_bytes)
-    total = len(data)
-    if not 1 <= total <= _MAX_TOTAL_FIELD:
-        raise WireError(f"message length {total} not in [1, {_MAX_TOTAL_FIELD}]")
-    count = _count_for(total)
-    digest = _checksum(data)
-    return [
-        _HEADER.pack(_MAGIC, msg_id, i, count, total, digest) + data[i * CHUNK : (i + 1) * CHUNK]
-        for i in range(count)
-    ]
-
-
-class _Partial:
-    __slots__ = ("count", "total", "checksum", "chunks", "size")
-
-    def __init__(self, count: int, total: int, checksum: bytes) -> None:
-        self.count = count
-        self.total = total
-        self.checksum = checksum
-        self.chunks: dict[int, bytes] = {}
-        self.size = 0
-
-
-class Reassembler:
-    """Collects frames (any order, interleaved ids) into whole messages.
-
-    Memory is bounded by ``max_in_flight * max_total`` bytes of chunks plus a
-    fixed-size memory of ``recent`` finished/refused ids. Any refused frame
-    drops the partial state of its message id (if one exists) and raises
-    WireError; other messages are unaffected.
-    """
-
-    def __init__(
-        self, max_total: int = 256 * 1024 * 1024, max_in_flight: int = 64, recent: int = 1024
-    ) -> None:
-        if max_total < 1 or max_in_flight < 1 or recent < 0:
-            raise ValueError("max_total and max_in_flight must be >= 1, recent >= 0")
-        self.max_total = max_total
-        self.max_in_flight = max_in_flight
-        self._recent_cap = recent
-        self._partials: dict[int, _Partial] = {}
-        # Ids already completed or refused: late/duplicate frames for them must
-        # not start a fresh partial that would never complete and hold a slot.
-        self._recent: OrderedDict[int, None] = OrderedDict()
-
-    @property
-    def in_flight(self) -> int:
-        """Number of messages partially received."""
-        return len(self._partials)
-
-    @property
-    def buffered_bytes(self) -> int:
-        """Bytes of chunks held for incomplete messages."""
-        return sum(p.size for p in self._partials.values())
-
-    def discard(self, msg_id: int) -> None:
-        """Forget a partial message (e.g. its sender went away)."""
-        self._partials.pop(msg_id, None)
-
-    def _remember(self, msg_id: int) -> None:
-        if not self._recent_cap:
-            return
-        self._recent[msg_id] = None
-        self._recent.move_to_end(msg_id)
-        while len(self._recent) > self._recent_cap:
-            self._recent.popitem(last=False)
-
-    def _refuse(self, msg_id: int | None, why: str) -> WireError:
-        if msg_id is not None:
-            had = self._partials.pop(msg_id, None) is not None
-            self._remember(msg_id)
-            if had:
-                why += f" (partial message {msg_id} dropped)"
-        return WireError(why)
-
-    def feed(self, frame: bytes) -> bytes | None:
-        """Add one frame; return the whole message when it completes, else None."""
-        if not isinstance(frame, (bytes, bytearray, memoryview)):
-            raise WireError(f"frame must be bytes, got {type(frame).__name__}")
-        frame = bytes(frame)
-        if len(frame) < HEADER_SIZE:
-            raise WireError(f"frame too short ({len(frame)} < {HEADER_SIZE} header bytes)")
-        if len(frame) > MAX_FRAME:
-            raise WireError(f"frame too long ({len(frame)} > {MAX_FRAME})")
-        magic, msg_id, index, count, total, digest = _HEADER.unpack_from(frame)
-        if magic != _MAGIC:
-            # Without the magic the header is garbage, msg_id included: touch no state.
-            raise WireError(f"bad frame magic {magic!r}")
-        if msg_id in self._recent:
-            raise self._refuse(None, f"message {msg_id}: already completed or refused")
-        if total < 1:
-            raise self._refuse(msg_id, f"message {msg_id}: total length 0")
-        if total > self.max_total:
-            raise self._refuse(
-                msg_id, f"message {msg_id}: total {total} over limit {self.max_total}"
-            )
-        if count != _count_for(total):
-            raise self._refuse(
-                msg_id, f"message {msg_id}: count {count} inconsistent with total {total}"
-            )
-        if index >= count:
-            raise self._refuse(msg_id, f"message {msg_id}: index {index} >= count {count}")
-        chunk = frame[HEADER_SIZE:]
-        want = CHUNK if index < count - 1 else total - (count - 1) * CHUNK
-        if len(chunk) != want:
-            raise self._refuse(
-                msg_id,
-                f"message {msg_id}: frame {index} carries {len(chunk)} bytes, expected {want}",
-            )
-        p = self._partials.get(msg_id)
-        if p is None:
-            if len(self._partials) >= self.max_in_flight:
-                # Refuse the newcomer, keep the ones already in progress.
-                raise self._refuse(
-                    msg_id, f"message {msg_id}: too many messages in flight ({self.max_in_flight})"
-                )
-            p = _Partial(count, total, digest)
-            self._partials[msg_id] = p
-        elif (p.count, p.total, p.checksum) != (count, total, digest):
-            raise self._refuse(
-                msg_id,
-                f"message {msg_id}: frame {index} disagrees with earlier frames "
-                f"(count/total/checksum {count}/{total}/{digest.hex()} vs "
-                f"{p.count}/{p.total}/{p.checksum.hex()})",
-            )
-        if index in p.chunks:
-            raise self._refuse(msg_id, f"message {msg_id}: duplicate frame {index}")
-        p.chunks[index] = chunk
-        p.size += len(chunk)
-        if len(p.chunks) < p.count:
-            return None
-        del self._partials[msg_id]
-        self._remember(msg_id)
-        data = b"".join(p.chunks[i] for i in range(p.count))
-        if _checksum(data) != p.checksum:
-            raise WireError(f"message {msg_id}: checksum mismatch, message dropped")
-        return data

@@ -29,7 +29,7 @@ from daisyweb.checkpoints.checkpoint import (
 from daisyweb.checkpoints.ptfile import PtFormatError, load_pt, save_pt
 from daisyweb.model import ModelConfig, param_count, param_layout
 from daisyweb.optim import AdamConfig, DaisyAdam, weight_hash
-from daisyweb.protocol import wire
+from daisyweb.protocol import framing, wire
 
 MODEL = ModelConfig(vocab=50, width=8, layers=1, heads=2, seq=4)
 TOK = TokenizerInfo(vocab_size=50, file_hash="ab" * 32)
@@ -222,10 +222,10 @@ def test_bytes_travel_as_snapshot_payload():
     ckpt = _ckpt(seed=3, model=model)
     payload = checkpoint_to_bytes(ckpt)
     msg = wire.Snapshot(step=ckpt.step, weight_hash=ckpt.weight_hash, payload=payload)
-    frames = wire.frame(wire.encode(msg), msg_id=9)
-    assert len(frames) >= 3 and all(len(f) <= wire.MAX_FRAME for f in frames)
+    frames = framing.frame(wire.encode(msg), msg_id=9)
+    assert len(frames) >= 3 and all(len(f) <= framing.MAX_FRAME for f in frames)
     order = np.random.default_rng(0).permutation(len(frames))
-    r = wire.Reassembler()
+    r = framing.Reassembler()
     out = [r.feed(frames[i]) for i in order]
     assert all(o is None for o in out[:-1]) and out[-1] is not None
     got = wire.decode(out[-1])

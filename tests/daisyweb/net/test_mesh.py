@@ -23,7 +23,7 @@ from daisyweb.net.mesh import (
     PeerUp,
     Received,
 )
-from daisyweb.protocol import wire
+from daisyweb.protocol import framing, wire
 from signaling.server import REGISTRY, create_app
 
 # aiortc's SCTP waits at least 1 s (its minimum RTO) to resend a lost packet, and a
@@ -133,7 +133,7 @@ async def test_two_peers_exchange_small_and_multi_mb(srv):
     assert e.message == hello
 
     big = grad(b.self_id, 3 * 2**20 + 12345)  # many frames, ragged last one
-    assert len(wire.frame(wire.encode(big), 1)) > 60
+    assert len(framing.frame(wire.encode(big), 1)) > 60
     await b.send(a.self_id, big)
     e = await until(a, received(b.self_id))
     assert e.message.payload == big.payload  # bit-exact after reassembly
@@ -255,7 +255,7 @@ async def test_backpressure_bounds_channel_buffer(srv):
     await a.send(b.self_id, g)
     assert (await until(b, received())).message == g
     # Without waiting on bufferedAmount all 4 MB would have been queued at once.
-    assert 0 < peak <= meshmod.SEND_HIGH_WATER + wire.MAX_FRAME
+    assert 0 < peak <= meshmod.SEND_HIGH_WATER + framing.MAX_FRAME
 
 
 async def test_bad_frames_reported_link_survives(srv):
@@ -263,9 +263,9 @@ async def test_bad_frames_reported_link_survives(srv):
     ch = a._links[b.self_id].channel
     ch.send(b"garbage, not a frame at all: no magic")
     ch.send("text")
-    ch.send(wire.frame(b"\xc1 not msgpack", 999)[0])  # a valid frame, undecodable message
+    ch.send(framing.frame(b"\xc1 not msgpack", 999)[0])  # a valid frame, undecodable message
     # A multi-frame message with one corrupted frame: one BadMessage, not one per frame.
-    frames = wire.frame(wire.encode(grad(a.self_id, 500_000)), 1000)
+    frames = framing.frame(wire.encode(grad(a.self_id, 500_000)), 1000)
     frames[2] = frames[2][:-1]
     for f in frames:
         ch.send(f)

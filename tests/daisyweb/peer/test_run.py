@@ -28,7 +28,7 @@ from daisyweb.checkpoints.checkpoint import Checkpoint, load_checkpoint
 from daisyweb.model import init_params
 from daisyweb.net import mesh
 from daisyweb.peer import run
-from daisyweb.protocol import wire
+from daisyweb.protocol import framing, wire
 from daisyweb.training.replay import replay_hashes
 from daisyweb.training.train import RunConfig
 
@@ -236,8 +236,8 @@ class FakeMesh:
         if target is None:
             raise mesh.MeshError(f"peer {peer} is not connected")
         data = wire.encode(message)  # through the real codec and framing
-        r = wire.Reassembler()
-        out = [r.feed(f) for f in wire.frame(data, 1)][-1]
+        r = framing.Reassembler()
+        out = [r.feed(f) for f in framing.frame(data, 1)][-1]
         target.events.put_nowait(mesh.Received(self.self_id, wire.decode(out)))
 
     async def report_status(self, **fields: object) -> None:
