@@ -4,6 +4,12 @@ Every member decodes the *same bytes* (its own included) and averages the decode
 vectors, so a lossy codec still leaves every replica bit-identical. ``decode`` is the
 validating side: a wrong length or any NaN/Inf raises :class:`GradientError`, exactly as
 a bad raw gradient does.
+
+``int8`` (:class:`Int8Codec`) is blockwise absmax int8 with float32 scales on the wire;
+its quantization is a fixed sequence of elementwise IEEE float32 operations, so every
+machine turns one vector into the same bytes and one payload into the same vector. The
+sender keeps its quantization error and adds it to its next contribution
+(:class:`ErrorFeedback`).
 """
 
 from __future__ import annotations
@@ -14,7 +20,10 @@ import numpy as np
 
 from daisyweb.protocol.averaging import GradientError, check_gradient
 
-__all__ = ["Codec", "F32Codec", "F32", "codec_by_name", "CODECS"]
+__all__ = ["Codec", "F32Codec", "F32", "Int8Codec", "INT8", "ErrorFeedback",
+           "ErrorFeedbackEncoder", "codec_by_name", "CODECS"]
+
+_F32 = np.float32
 
 
 class Codec(Protocol):
@@ -41,8 +50,164 @@ class F32Codec:
         return check_gradient(np.frombuffer(payload, dtype="<f4").astype(np.float32), size, who)
 
 
+# -- int8 -------------------------------------------------------------------------------
+
+INT8_BLOCK = 256
+"""Values per scale: 4/256 = 1.6% extra bytes; about 25% less error than 1024 per value."""
+
+_TINY = _F32(np.finfo(np.float32).tiny)  # 2**-126, the smallest normal float32
+_MAX_SCALE = _F32(2.0**120)  # 127 * _MAX_SCALE < 2**127: a decoded value is always finite
+_127 = _F32(127.0)
+_HALF = _F32(0.5)
+
+
+class Int8Codec:
+    """Blockwise absmax int8 with float32 scales, exact on every IEEE machine.
+
+    Wire layout of a vector of ``size`` values (no header, little-endian)::
+
+        [scale float32 x nblocks][q int8 x size]      nblocks = ceil(size / block)
+
+    Block ``b`` holds values ``b*block .. min((b+1)*block, size) - 1`` (the last block may
+    be shorter). Encoding, all elementwise float32:
+
+    - values whose magnitude is below 2**-126 (subnormals) count as 0, so flush-to-zero
+      hardware gives the same bytes;
+    - ``m = max|x|`` over the block (a max is exact in any order);
+    - ``scale = f32(m / 127)``; a scale below 2**-126 becomes 0 (a zero block);
+    - ``q = clamp(floor(x / scale + 0.5), -127, 127)``; a zero block divides by 1 instead
+      (its values are all below 127 * 2**-126, so q = 0) and never computes 0/0.
+
+    Decoding is ``f32(q) * scale``. ``-128`` is never produced and is refused, as are
+    scales that are NaN/Inf, negative (``-0.0`` included), subnormal or above 2**120,
+    so every decoded value is a finite float32.
+    """
+
+    name = "int8"
+
+    def __init__(self, block: int = INT8_BLOCK) -> None:
+        if not isinstance(block, int) or block < 1:
+            raise ValueError(f"int8 block must be a positive integer, got {block!r}")
+        self.block = block
+
+    def nblocks(self, size: int) -> int:
+        return -(-size // self.block)
+
+    def payload_size(self, size: int) -> int:
+        return 4 * self.nblocks(size) + size
+
+    def _blocks(self, flat: np.ndarray) -> np.ndarray:
+        """``flat`` zero-padded to whole blocks, shape [nblocks, block]."""
+        nb = self.nblocks(flat.size)
+        padded = np.zeros(nb * self.block, np.float32)
+        padded[: flat.size] = flat
+        return padded.reshape(nb, self.block)
+
+    def quantize(self, vector: np.ndarray, who: str = "vector") -> tuple[np.ndarray, np.ndarray]:
+        """``(scales float32 [nblocks], q int8 [size])`` of a finite float32 vector."""
+        if not isinstance(vector, np.ndarray) or vector.ndim != 1:
+            raise GradientError(f"{who}: expected a 1-D float32 array")
+        x = check_gradient(vector, vector.size, who)
+        x = np.where(np.abs(x) < _TINY, _F32(0.0), x)  # no subnormal reaches the arithmetic
+        blocks = self._blocks(x)
+        m = np.max(np.abs(blocks), axis=1) if blocks.size else np.zeros(0, np.float32)
+        scales = m / _127
+        scales[scales < _TINY] = 0.0
+        if np.any(scales > _MAX_SCALE):
+            raise GradientError(f"{who}: values above {float(_MAX_SCALE) * 127:.3g} "
+                                "cannot be sent as int8")
+        zero = scales == 0
+        divisor = np.where(zero, _F32(1.0), scales)[:, None]
+        q = np.floor(blocks / divisor + _HALF)
+        # |x / scale| <= 127 * (1 + 2**-23), so the clamp never binds; it states the range.
+        np.clip(q, _F32(-127.0), _127, out=q)
+        return scales.astype("<f4"), q.reshape(-1)[: x.size].astype(np.int8)
+
+    def encode(self, vector: np.ndarray) -> bytes:
+        scales, q = self.quantize(vector)
+        return scales.tobytes() + q.tobytes()
+
+    def decode(self, payload: bytes, size: int, who: str = "payload") -> np.ndarray:
+        nb = self.nblocks(size)
+        want = 4 * nb + size
+        if len(payload) != want:
+            raise GradientError(f"{who}: expected {want} bytes of int8 payload for {size} "
+                                f"values ({nb} scales), got {len(payload)} bytes")
+        scales = np.frombuffer(payload, dtype="<f4", count=nb).astype(np.float32)
+        q = np.frombuffer(payload, dtype=np.int8, offset=4 * nb, count=size)
+        bad = int(np.count_nonzero(~np.isfinite(scales)))
+        if bad:
+            raise GradientError(f"{who}: {bad} NaN/Inf int8 scales")
+        bad = int(np.count_nonzero(np.signbit(scales)))
+        if bad:
+            raise GradientError(f"{who}: {bad} negative int8 scales")
+        bad = int(np.count_nonzero((scales != 0) & (scales < _TINY)))
+        if bad:
+            raise GradientError(f"{who}: {bad} subnormal int8 scales")
+        bad = int(np.count_nonzero(scales > _MAX_SCALE))
+        if bad:
+            raise GradientError(f"{who}: {bad} int8 scales above 2**120")
+        bad = int(np.count_nonzero(q == -128))
+        if bad:
+            raise GradientError(f"{who}: {bad} int8 values are -128 (reserved)")
+        out = q.astype(np.float32) * np.repeat(scales, self.block)[:size]
+        return check_gradient(out, size, who)
+
+    def encoder(self, size: int) -> ErrorFeedbackEncoder:
+        """A sender's stateful encoder for vectors of ``size``: this codec + error feedback."""
+        return ErrorFeedbackEncoder(self, size)
+
+
+class ErrorFeedback:
+    """A sender's quantization error, carried into its next contribution.
+
+    ``encode(codec, v)`` sends ``v + residual`` and keeps
+    ``residual = (v + residual) - decode(bytes)``, all float32 elementwise; so the sum of
+    what a sender's bytes decode to over any number of rounds differs from the sum of its
+    true vectors by the current residual only (about half a quantization step), instead
+    of accumulating every round's error. Purely local: it never goes on the wire.
+    """
+
+    def __init__(self, size: int) -> None:
+        if not isinstance(size, int) or size < 0:
+            raise ValueError(f"size must be a non-negative integer, got {size!r}")
+        self.size = size
+        self.residual = np.zeros(size, np.float32)
+
+    def encode_decoded(self, codec: Codec, vector: np.ndarray) -> tuple[bytes, np.ndarray]:
+        """``(payload, what every member decodes it to)``; the residual moves only on success."""
+        x = check_gradient(vector, self.size, "vector")
+        target = x + self.residual
+        payload = codec.encode(target)
+        decoded = codec.decode(payload, self.size, "own payload")
+        self.residual = target - decoded
+        return payload, decoded
+
+    def encode(self, codec: Codec, vector: np.ndarray) -> bytes:
+        return self.encode_decoded(codec, vector)[0]
+
+    def reset(self) -> None:
+        self.residual = np.zeros(self.size, np.float32)
+
+
+class ErrorFeedbackEncoder:
+    """``codec`` bound to one sender's :class:`ErrorFeedback`: ``encode(vector) -> bytes``."""
+
+    def __init__(self, codec: Codec, size: int) -> None:
+        self.codec = codec
+        self.feedback = ErrorFeedback(size)
+
+    @property
+    def name(self) -> str:
+        return self.codec.name
+
+    def encode(self, vector: np.ndarray) -> bytes:
+        return self.feedback.encode(self.codec, vector)
+
+
 F32 = F32Codec()
-CODECS: dict[str, Codec] = {"f32": F32}
+INT8 = Int8Codec()
+CODECS: dict[str, Codec] = {"f32": F32, "int8": INT8}
 
 
 def codec_by_name(name: str) -> Codec:

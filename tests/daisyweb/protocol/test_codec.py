@@ -1,0 +1,403 @@
+"""The payload codecs: f32 (lossless) and int8 (blockwise absmax, exact), error feedback."""
+
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from hypothesis.extra import numpy as hnp
+
+from daisyweb.protocol.averaging import GradientError, average_in_roster_order
+from daisyweb.protocol.codec import (
+    CODECS,
+    F32,
+    INT8,
+    INT8_BLOCK,
+    ErrorFeedback,
+    ErrorFeedbackEncoder,
+    Int8Codec,
+    codec_by_name,
+)
+
+B = INT8_BLOCK
+
+
+def _vec(size: int, seed: int = 0, scale: float = 1e-3) -> np.ndarray:
+    rng = np.random.default_rng(seed)
+    # gradient-like: heavy tailed, with a different magnitude in each block
+    per_block = np.repeat(10.0 ** rng.uniform(-3, 2, size=-(-size // B)), B)[:size]
+    return (rng.standard_normal(size) * per_block * scale).astype(np.float32)
+
+
+def _split(payload: bytes, size: int, codec: Int8Codec = INT8) -> tuple[np.ndarray, np.ndarray]:
+    nb = codec.nblocks(size)
+    return (np.frombuffer(payload, "<f4", count=nb),
+            np.frombuffer(payload, np.int8, offset=4 * nb, count=size))
+
+
+def _with_scale(payload: bytes, index: int, value: float) -> bytes:
+    raw = bytearray(payload)
+    raw[4 * index : 4 * index + 4] = np.array([value], "<f4").tobytes()
+    return bytes(raw)
+
+
+def _reference(x: np.ndarray, block: int = B) -> tuple[np.ndarray, np.ndarray]:
+    """The documented recipe, one block and one value at a time with numpy float32 scalars."""
+    f = np.float32
+    scales, qs = [], []
+    for start in range(0, x.size, block):
+        vals = [f(0.0) if abs(v) < np.finfo(f).tiny else f(v) for v in x[start:start + block]]
+        m = max(abs(v) for v in vals)
+        s = f(m / f(127.0))
+        if s < np.finfo(f).tiny:
+            s = f(0.0)
+        scales.append(s)
+        for v in vals:
+            q = 0.0 if s == 0 else min(max(float(np.floor(f(f(v / s) + f(0.5)))), -127.0), 127.0)
+            qs.append(int(q))
+    return np.array(scales, np.float32), np.array(qs, np.int8)
+
+
+# -- registry and f32 -----------------------------------------------------------------------
+
+
+def test_registry_names_both_codecs() -> None:
+    assert set(CODECS) == {"f32", "int8"}
+    assert codec_by_name("int8") is INT8 and INT8.name == "int8"
+    assert codec_by_name("f32") is F32
+    with pytest.raises(ValueError, match="unknown codec"):
+        codec_by_name("int4")
+
+
+def test_f32_round_trip_is_lossless() -> None:
+    x = _vec(1000)
+    assert F32.decode(F32.encode(x), 1000).tobytes() == x.tobytes()
+
+
+# -- int8: layout, accuracy, exactness ----------------------------------------------------
+
+
+def test_layout_is_scales_then_int8_and_matches_the_documented_recipe() -> None:
+    x = _vec(3 * B + 17, seed=1)
+    payload = INT8.encode(x)
+    assert len(payload) == 4 * 4 + x.size == INT8.payload_size(x.size)
+    scales, q = _split(payload, x.size)
+    ref_scales, ref_q = _reference(x)
+    assert scales.tobytes() == ref_scales.tobytes()
+    assert q.tobytes() == ref_q.tobytes()
+    # decode is f32(q) * scale, value by value
+    out = INT8.decode(payload, x.size)
+    expect = np.array([np.float32(np.float32(v) * scales[i // B]) for i, v in enumerate(q)],
+                      np.float32)
+    assert out.dtype == np.float32 and out.tobytes() == expect.tobytes()
+
+
+def test_round_trip_error_is_at_most_half_a_step_per_block() -> None:
+    x = _vec(20 * B + 5, seed=2)
+    payload = INT8.encode(x)
+    scales, q = _split(payload, x.size)
+    out = INT8.decode(payload, x.size)
+    step = np.repeat(scales.astype(np.float64), B)[: x.size]
+    err = np.abs(out.astype(np.float64) - x)
+    # half a step, plus two float32 roundings (x/scale and q*scale): < 2**-16 of a step
+    assert np.all(err <= step * (0.5 + 2.0**-16))
+    # every block uses its full range: the largest magnitude maps to +-127
+    assert np.all(np.abs(q).reshape(-1)[: 20 * B].reshape(20, B).max(axis=1) == 127)
+    assert np.abs(q).max() == 127 and q.min() >= -127
+
+
+def test_encoding_is_deterministic_and_decoding_bit_identical() -> None:
+    x = _vec(10 * B, seed=3)
+    a, b = INT8.encode(x), INT8.encode(x.copy())
+    assert a == b
+    assert INT8.decode(a, x.size).tobytes() == INT8.decode(bytes(a), x.size).tobytes()
+    # strided and non-contiguous inputs are the same values: the same bytes
+    wide = np.zeros(2 * x.size, np.float32)
+    wide[::2] = x
+    assert INT8.encode(wide[::2]) == a
+
+
+def test_ragged_last_block() -> None:
+    x = _vec(2 * B + 3, seed=4)
+    x[-3:] = [4.0, -2.0, 1.0]
+    payload = INT8.encode(x)
+    assert len(payload) == 3 * 4 + x.size
+    scales, q = _split(payload, x.size)
+    assert scales[2] == np.float32(np.float32(4.0) / np.float32(127.0))
+    # x / scale = 127, -63.5, 31.75 exactly; floor(x / scale + 0.5) rounds halves upwards
+    assert q[-3:].tolist() == [127, -63, 32]
+    out = INT8.decode(payload, x.size)
+    assert out.shape == (x.size,)
+    assert np.all(np.abs(out[-3:] - x[-3:]) <= scales[2] * 0.5)
+
+
+def test_zero_block_gets_scale_zero_and_decodes_to_zeros() -> None:
+    x = _vec(3 * B, seed=5)
+    x[B : 2 * B] = 0.0
+    x[B + 7] = -0.0
+    with np.errstate(all="raise"):  # no 0/0 anywhere
+        payload = INT8.encode(x)
+        out = INT8.decode(payload, x.size)
+    scales, q = _split(payload, x.size)
+    assert scales[1] == 0.0 and not np.signbit(scales[1])
+    assert not q[B : 2 * B].any()
+    assert out[B : 2 * B].tobytes() == np.zeros(B, np.float32).tobytes()
+    assert INT8.decode(INT8.encode(np.zeros(5, np.float32)), 5).tobytes() == bytes(20)
+
+
+def test_subnormals_count_as_zero_so_flush_to_zero_machines_agree() -> None:
+    tiny = np.finfo(np.float32).tiny
+    x = np.array([tiny / 4, -tiny / 2, tiny * 0.999], np.float32)  # all subnormal
+    payload = INT8.encode(x)
+    assert _split(payload, 3)[0][0] == 0.0
+    assert not INT8.decode(payload, 3).any()
+    # a block whose scale would be subnormal is a zero block too
+    y = np.array([tiny * 100, -tiny], np.float32)
+    assert _split(INT8.encode(y), 2)[0][0] == 0.0
+    # subnormal values beside a normal block maximum are sent as 0: with scale 2**-126,
+    # 0.9 * 2**-126 would round to q = 1 if it reached the division
+    z = np.zeros(B, np.float32)
+    z[0], z[1] = tiny * 127, tiny * 0.9
+    scales, q = _split(INT8.encode(z), B)
+    assert scales[0] == tiny and q[0] == 127 and q[1] == 0
+
+
+def test_empty_vector() -> None:
+    assert INT8.encode(np.zeros(0, np.float32)) == b""
+    assert INT8.decode(b"", 0).shape == (0,)
+
+
+def test_other_block_sizes() -> None:
+    c = Int8Codec(1024)
+    x = _vec(3000, seed=6)
+    assert len(c.encode(x)) == 3 * 4 + 3000
+    assert np.allclose(c.decode(c.encode(x), 3000), x, atol=float(np.abs(x).max()) / 127)
+    with pytest.raises(ValueError, match="block"):
+        Int8Codec(0)
+
+
+# -- int8: refusals -------------------------------------------------------------------------
+
+
+def test_encode_refuses_non_finite_and_huge_values() -> None:
+    x = _vec(B + 1)
+    for bad in (np.nan, np.inf, -np.inf):
+        y = x.copy()
+        y[3] = bad
+        with pytest.raises(GradientError, match="NaN/Inf"):
+            INT8.encode(y)
+    y = x.copy()
+    y[0] = 3e38
+    with pytest.raises(GradientError, match="cannot be sent as int8"):
+        INT8.encode(y)
+    with pytest.raises(GradientError, match="float32"):
+        INT8.encode(x.astype(np.float64))
+    with pytest.raises(GradientError, match="1-D"):
+        INT8.encode(x[: 2 * (B // 2)].reshape(2, -1))
+
+
+@pytest.mark.parametrize("delta", [-1, 1, -4, 4, -(B + 4)])
+def test_decode_refuses_wrong_lengths(delta: int) -> None:
+    x = _vec(2 * B + 1)
+    payload = INT8.encode(x)
+    bad = payload + bytes(delta) if delta > 0 else payload[:delta]
+    with pytest.raises(GradientError, match=r"expected 525 bytes of int8 payload"):
+        INT8.decode(bad, x.size, "delta from p1")
+    # the right bytes for another size are refused too
+    with pytest.raises(GradientError, match="expected"):
+        INT8.decode(payload, x.size + 1)
+
+
+@pytest.mark.parametrize("value, what", [(np.nan, "NaN/Inf int8 scales"),
+                                         (np.inf, "NaN/Inf int8 scales"),
+                                         (-np.inf, "NaN/Inf int8 scales"),
+                                         (-0.5, "negative int8 scales"),
+                                         (-0.0, "negative int8 scales"),
+                                         (1e-40, "subnormal int8 scales"),
+                                         (2.0**121, r"int8 scales above 2\*\*120")])
+def test_decode_refuses_bad_scales(value: float, what: str) -> None:
+    x = _vec(3 * B)
+    payload = _with_scale(INT8.encode(x), 1, value)
+    with pytest.raises(GradientError, match=f"delta from p2: 1 {what}"):
+        INT8.decode(payload, x.size, "delta from p2")
+
+
+def test_decode_accepts_the_largest_allowed_scale() -> None:
+    payload = _with_scale(INT8.encode(np.full(B, -1.0, np.float32)), 0, 2.0**120)
+    out = INT8.decode(payload, B)
+    assert np.all(np.isfinite(out)) and out[0] == np.float32(-127.0 * 2.0**120)
+
+
+def test_decode_refuses_the_reserved_minus_128() -> None:
+    x = _vec(2 * B)
+    raw = bytearray(INT8.encode(x))
+    raw[4 * 2 + 5] = 0x80  # int8 -128
+    with pytest.raises(GradientError, match="1 int8 values are -128"):
+        INT8.decode(bytes(raw), x.size)
+    raw[4 * 2 + 5] = 0x81  # -127 is fine
+    INT8.decode(bytes(raw), x.size)
+
+
+# -- int8: properties -----------------------------------------------------------------------
+
+_finite32 = st.floats(min_value=-(2.0**100), max_value=2.0**100, width=32, allow_nan=False,
+                      allow_infinity=False, allow_subnormal=True)
+
+
+@settings(max_examples=150, deadline=None)
+@given(hnp.arrays(np.float32, st.integers(0, 3 * B + 7), elements=_finite32),
+       st.sampled_from([1, 7, B]))
+def test_property_round_trip_bound_and_determinism(x: np.ndarray, block: int) -> None:
+    c = Int8Codec(block)
+    payload = c.encode(x)
+    assert len(payload) == c.payload_size(x.size) and payload == c.encode(x.copy())
+    out = c.decode(payload, x.size)
+    assert out.dtype == np.float32 and np.all(np.isfinite(out))
+    assert out.tobytes() == c.decode(payload, x.size).tobytes()
+    scales, q = _split(payload, x.size, c)
+    assert q.size == 0 or q.min() >= -127
+    step = np.repeat(scales.astype(np.float64), block)[: x.size]
+    err = np.abs(out.astype(np.float64) - x.astype(np.float64))
+    tiny = float(np.finfo(np.float32).tiny)
+    # half a step, or the whole value in a zero block (its maximum is below 127 * 2**-126)
+    assert np.all(err <= np.where(step > 0, step * (0.5 + 2.0**-16), 127 * tiny))
+    # a decoded payload re-encodes to itself: decoding loses nothing more
+    assert c.encode(out) == payload
+
+
+@settings(max_examples=60, deadline=None)
+@given(st.binary(min_size=0, max_size=4 * 3 + 2 * B + 2))
+def test_property_decode_of_random_bytes_is_finite_or_refused(raw: bytes) -> None:
+    size = 2 * B + 2
+    if len(raw) != INT8.payload_size(size):
+        raw = (raw * (INT8.payload_size(size) // max(len(raw), 1) + 1))[: INT8.payload_size(size)]
+    try:
+        out = INT8.decode(raw, size)
+    except GradientError:
+        return
+    assert out.dtype == np.float32 and out.shape == (size,) and np.all(np.isfinite(out))
+
+
+# -- error feedback -------------------------------------------------------------------------
+
+
+def test_error_feedback_residual_is_what_the_bytes_missed() -> None:
+    ef = ErrorFeedback(2 * B)
+    v1 = _vec(2 * B, seed=7)
+    payload, decoded = ef.encode_decoded(INT8, v1)
+    assert payload == INT8.encode(v1)  # the first round has nothing to carry
+    assert decoded.tobytes() == INT8.decode(payload, 2 * B).tobytes()
+    assert ef.residual.tobytes() == (v1 - decoded).tobytes()
+    v2 = _vec(2 * B, seed=8)
+    old = ef.residual.copy()
+    payload2 = ef.encode(INT8, v2)
+    target = v2 + old
+    assert payload2 == INT8.encode(target)
+    assert ef.residual.tobytes() == (target - INT8.decode(payload2, 2 * B)).tobytes()
+    ef.reset()
+    assert not ef.residual.any()
+
+
+def test_error_feedback_keeps_its_residual_when_encoding_fails() -> None:
+    ef = ErrorFeedback(B)
+    ef.encode(INT8, _vec(B, seed=9))
+    before = ef.residual.copy()
+    bad = _vec(B, seed=10)
+    bad[0] = np.nan
+    with pytest.raises(GradientError):
+        ef.encode(INT8, bad)
+    with pytest.raises(GradientError):
+        ef.encode(INT8, _vec(B + 1))
+    assert ef.residual.tobytes() == before.tobytes()
+
+
+def test_error_feedback_sum_tracks_the_true_sum_within_one_step() -> None:
+    size, rounds = 4 * B, 300
+    rng = np.random.default_rng(11)
+    # a biased contribution: each round the same small offset plus noise, which plain
+    # rounding loses every round (0.3 of a step below 0.5 rounds away every time)
+    base = (rng.standard_normal(size) * 1e-3).astype(np.float32)
+    base[::B] = 0.127  # pins each block's scale near 1e-3
+    ef = ErrorFeedback(size)
+    true_sum = np.zeros(size)
+    sent_ef = np.zeros(size)
+    sent_plain = np.zeros(size)
+    last_step = np.zeros(size)
+    for _ in range(rounds):
+        v = (base + rng.standard_normal(size).astype(np.float32) * 1e-5).astype(np.float32)
+        true_sum += v
+        payload, decoded = ef.encode_decoded(INT8, v)
+        sent_ef += decoded
+        sent_plain += INT8.decode(INT8.encode(v), size)
+        last_step = np.repeat(_split(payload, size)[0].astype(np.float64), B)
+    ef_err = np.abs(sent_ef - true_sum)
+    plain_err = np.abs(sent_plain - true_sum)
+    # EF: off by the last residual only (half a step, plus float32 rounding of the sums)
+    assert np.all(ef_err <= last_step * 0.5 + 1e-6)
+    assert np.allclose(sent_ef - true_sum, -ef.residual, atol=1e-6)
+    # without EF the error of every round adds up: far beyond one step
+    assert plain_err.max() > 20 * last_step.max()
+
+
+def test_bound_encoder_is_a_codec_plus_feedback() -> None:
+    enc = INT8.encoder(B)
+    assert isinstance(enc, ErrorFeedbackEncoder) and enc.name == "int8"
+    v = _vec(B, seed=12)
+    ef = ErrorFeedback(B)
+    for _ in range(3):
+        assert enc.encode(v) == ef.encode(INT8, v)
+    assert enc.feedback.residual.tobytes() == ef.residual.tobytes()
+
+
+# -- what replicas must average -------------------------------------------------------------
+
+
+def _mean_seen_by(member: int, vectors: list[np.ndarray], payloads: list[bytes],
+                  own_undecoded: bool) -> np.ndarray:
+    size = vectors[0].size
+    parts = [vectors[i] if (own_undecoded and i == member) else INT8.decode(p, size)
+             for i, p in enumerate(payloads)]
+    return average_in_roster_order(parts)
+
+
+def test_members_agree_only_when_the_sender_also_averages_the_decoded_bytes() -> None:
+    size = 3 * B + 11
+    vectors = [_vec(size, seed=20 + i) for i in range(3)]
+    encoders = [ErrorFeedback(size) for _ in vectors]
+    payloads = [ef.encode(INT8, v) for ef, v in zip(encoders, vectors, strict=True)]
+    decoded_path = [_mean_seen_by(m, vectors, payloads, own_undecoded=False).tobytes()
+                    for m in range(3)]
+    assert len(set(decoded_path)) == 1  # every replica, sender included: the same bits
+    undecoded_path = [_mean_seen_by(m, vectors, payloads, own_undecoded=True).tobytes()
+                      for m in range(3)]
+    assert len(set(undecoded_path)) == 3  # each sender sees its own exact value: a fork
+    assert all(u != decoded_path[0] for u in undecoded_path)
+
+
+def test_same_bytes_with_numpy_held_to_its_baseline_instructions() -> None:
+    # as on an old CPU: numpy's SIMD dispatch switched off in a child process
+    import hashlib
+    import os
+    import subprocess
+    import sys
+
+    from numpy._core._multiarray_umath import __cpu_dispatch__, __cpu_features__
+
+    script = (
+        "import hashlib, numpy as np\n"
+        "from daisyweb.protocol.codec import INT8, ErrorFeedback\n"
+        "rng = np.random.default_rng(5)\n"
+        "x = (rng.standard_normal(100_003) * 10.0 ** rng.uniform(-8, 3, 100_003))"
+        ".astype(np.float32)\n"
+        "ef = ErrorFeedback(x.size)\n"
+        "h = hashlib.sha256()\n"
+        "for r in range(3):\n"
+        "    p, d = ef.encode_decoded(INT8, x * np.float32(r + 1))\n"
+        "    h.update(p); h.update(d.tobytes()); h.update(ef.residual.tobytes())\n"
+        "print(h.hexdigest())\n")
+    here = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True,
+                          check=True).stdout
+    off = " ".join(f for f in __cpu_dispatch__ if __cpu_features__.get(f))
+    env = dict(os.environ, NPY_DISABLE_CPU_FEATURES=off)
+    old = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True,
+                         check=True, env=env)
+    assert old.stdout == here and len(here.strip()) == len(hashlib.sha256().hexdigest())
