@@ -2,6 +2,19 @@
 
 The text is the King James Version of the Bible (public domain), one paragraph per
 chapter; see SOURCES.md beside this file and scripts/build_corpus.py.
+
+It is split once, by a fixed rule, into a training part and a held-out part:
+
+- **training** (``builtin_text``, ``builtin_paragraphs``, ``builtin_tokens``): Genesis
+  through Philippians, about 95% of the characters. Every run trains on this only.
+- **held-out** (``heldout_text``, ``heldout_tokens``): the last 16 books, from
+  ``The Book of Colossians`` to the end of Revelation, about 5% of the characters. No run
+  trains on it; ``daisyweb.training.evaluate`` measures the loss on it.
+
+The split is at the book boundary nearest to 95% of the characters (a paragraph
+boundary). ``full_corpus_text`` is the whole shipped file: the shipped tokenizer was
+trained on it (the tokenizer having seen the text is not the model training on it), and
+nothing else may use it.
 """
 
 from __future__ import annotations
@@ -17,26 +30,76 @@ from .tokenizer import default_tokenizer
 DATA_DIR = Path(__file__).resolve().parent
 CORPUS_FILE = DATA_DIR / "corpus.txt.gz"
 
+HELDOUT_FIRST_PARAGRAPH = "The Book of Colossians"
+"""The title paragraph that starts the held-out part (the split is a fixed rule)."""
+
 
 @functools.cache
-def builtin_text() -> str:
-    """The whole built-in corpus (about 4 MB of text), read once per process."""
+def full_corpus_text() -> str:
+    """The whole shipped file, held-out part included. For the tokenizer only: never train on it."""
     return gzip.decompress(CORPUS_FILE.read_bytes()).decode("utf-8")
 
 
 @functools.cache
+def heldout_start() -> int:
+    """Character offset in :func:`full_corpus_text` where the held-out part begins."""
+    text = full_corpus_text()
+    marker = "\n\n" + HELDOUT_FIRST_PARAGRAPH + "\n\n"
+    at = text.find(marker)
+    if at < 0 or text.find(marker, at + 1) >= 0:
+        raise RuntimeError(f"corpus: {HELDOUT_FIRST_PARAGRAPH!r} must begin exactly one paragraph")
+    return at + 2
+
+
+@functools.cache
+def builtin_text() -> str:
+    """The training part of the built-in corpus (about 3.9 MB), read once per process.
+
+    Paragraphs separated by one blank line, ending with a newline; the held-out part
+    (:func:`heldout_text`) is not in it.
+    """
+    return full_corpus_text()[: heldout_start() - 1]
+
+
+@functools.cache
+def heldout_text() -> str:
+    """The held-out part: the last 5% of the corpus (Colossians to Revelation), never trained on."""
+    return full_corpus_text()[heldout_start() :]
+
+
+def _paragraphs(text: str) -> tuple[str, ...]:
+    return tuple(p.strip() for p in text.split("\n\n") if p.strip())
+
+
+@functools.cache
 def builtin_paragraphs() -> tuple[str, ...]:
-    """The corpus split at blank lines: book titles and one paragraph per chapter."""
-    return tuple(p.strip() for p in builtin_text().split("\n\n") if p.strip())
+    """The training part split at blank lines: book titles and one paragraph per chapter."""
+    return _paragraphs(builtin_text())
+
+
+@functools.cache
+def heldout_paragraphs() -> tuple[str, ...]:
+    """The held-out part split at blank lines."""
+    return _paragraphs(heldout_text())
+
+
+def _encode(text: str) -> np.ndarray:
+    ids = default_tokenizer().encode(text)
+    ids.setflags(write=False)  # shared by every caller: nobody may edit it in place
+    return ids
 
 
 @functools.cache
 def builtin_tokens() -> np.ndarray:
     """``default_tokenizer().encode(builtin_text())`` as int32, cached in memory (read-only).
 
-    Encoding takes a few seconds once per process; nothing is written to disk, since the
-    package directory may be read-only.
+    The training part only. Encoding takes a few seconds once per process; nothing is
+    written to disk, since the package directory may be read-only.
     """
-    ids = default_tokenizer().encode(builtin_text())
-    ids.setflags(write=False)  # shared by every caller: nobody may edit it in place
-    return ids
+    return _encode(builtin_text())
+
+
+@functools.cache
+def heldout_tokens() -> np.ndarray:
+    """``default_tokenizer().encode(heldout_text())`` as int32, cached (read-only)."""
+    return _encode(heldout_text())

@@ -1,4 +1,5 @@
 import gzip
+import hashlib
 import importlib.util
 import io
 import json
@@ -11,8 +12,16 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from daisyweb.data import builtin_paragraphs, builtin_text, builtin_tokens, default_tokenizer
-from daisyweb.data.corpus import CORPUS_FILE
+from daisyweb.data import (
+    builtin_paragraphs,
+    builtin_text,
+    builtin_tokens,
+    default_tokenizer,
+    heldout_paragraphs,
+    heldout_text,
+    heldout_tokens,
+)
+from daisyweb.data.corpus import CORPUS_FILE, full_corpus_text
 from signaling.corpus import builtin_slice
 
 ROOT = Path(__file__).resolve().parents[3]
@@ -61,13 +70,57 @@ def test_boilerplate_is_gone_and_whitespace_is_normalised():
 
 
 def test_structure_is_books_and_chapters():
-    paras = builtin_paragraphs()
+    paras = builtin_paragraphs() + heldout_paragraphs()
     titles = [p for p in paras if p.startswith("The Book of ")]
     assert len(titles) == 66 and titles[0] == "The Book of Genesis"
     assert titles[-1] == "The Book of Revelation"
     assert len(paras) - len(titles) == 1189  # chapters of the KJV
     assert "\n" not in "".join(paras)  # one line per paragraph
     assert paras[1].startswith("In the beginning God created the heaven and the earth.")
+
+
+# -- the held-out split -------------------------------------------------------------------
+
+
+def test_heldout_is_the_last_five_percent_at_a_book_boundary():
+    full, train, held = full_corpus_text(), builtin_text(), heldout_text()
+    assert train + "\n" + held == full  # one blank line between them, nothing lost
+    assert train.endswith(".\n") and held.endswith(".\n") and "\n\n\n" not in held
+    assert held.startswith("The Book of Colossians\n\nPaul, an apostle of Jesus Christ")
+    assert train.endswith("The grace of our Lord Jesus Christ be with you all. Amen.\n")
+    # pinned: the split is fixed, so every run and every evaluation means the same text
+    assert (len(train), len(held), len(full)) == (3_931_462, 208_595, 4_140_058)
+    assert 0.045 < len(held) / len(full) < 0.055
+    assert hashlib.sha256(held.encode()).hexdigest() == (
+        "0670cdaaf55b5fb2f1f170f33a86c356746bec27d6a19a78a66f0e319ebad861")
+    books = [p for p in heldout_paragraphs() if p.startswith("The Book of ")]
+    assert len(books) == 16 and books[0] == "The Book of Colossians"
+    assert len(heldout_paragraphs()) == 16 + 82  # chapters of Colossians..Revelation
+
+
+def test_no_training_accessor_returns_a_heldout_paragraph():
+    held = set(heldout_paragraphs())
+    chapters = [p for p in held if not p.startswith("The Book of ")]
+    assert not held & set(builtin_paragraphs())
+    text = builtin_text()
+    assert not any(p in text for p in chapters)
+    assert not any(p in text for p in held)  # book titles too
+    # the training tokens are the training text, nothing more
+    assert default_tokenizer().decode(builtin_tokens()) == text
+    # the server's /data fallback draws from the training paragraphs only
+    for seed in range(200):
+        for got in builtin_slice(3, random.Random(seed)).rstrip("\n").split("\n\n"):
+            assert got not in held
+
+
+def test_heldout_tokens_are_the_cached_read_only_encoding():
+    toks = heldout_tokens()
+    assert toks is heldout_tokens() and not toks.flags.writeable
+    assert toks.dtype == np.int32 and toks.ndim == 1
+    assert toks.size == 58_017  # pinned with the shipped tokenizer
+    assert default_tokenizer().decode(toks) == heldout_text()
+    share = toks.size / (toks.size + builtin_tokens().size)
+    assert 0.045 < share < 0.055
 
 
 def test_builtin_tokens_is_the_cached_read_only_encoding():
