@@ -29,12 +29,14 @@ from daisyweb.model import init_params
 from daisyweb.net import mesh
 from daisyweb.peer import run
 from daisyweb.protocol import framing, wire
-from daisyweb.training.replay import replay_hashes
+from daisyweb.training.replay import replay_hashes, replay_rounds
 from daisyweb.training.train import RunConfig
 
 ROOT = Path(__file__).resolve().parents[3]
-MODEL = ["--width", "16", "--layers", "1", "--heads", "2", "--seq", "16", "--batch", "2",
-         "--lr", "0.01", "--seed", "3"]
+TINY = ["--width", "16", "--layers", "1", "--heads", "2", "--seq", "16", "--batch", "2",
+        "--lr", "0.01", "--seed", "3"]
+MODEL = [*TINY, "--sync-every", "1", "--codec", "f32"]  # lockstep: one gradient per step
+ROUNDS = [*TINY, "--sync-every", "2", "--codec", "int8"]  # rounds of 2 local steps, int8
 TIMEOUT = 120.0
 
 
@@ -723,3 +725,136 @@ def test_snapshot_and_version_switches_come_from_the_environment_only() -> None:
         with pytest.raises(run.PeerError) as exc:
             run.TestHooks.from_env(env)
         assert exc.value.code == 2 and next(iter(env)) in str(exc.value)
+
+
+# --------------------------------------------------------------------------- rounds
+# The lockstep fault tests again with rounds of 2 local steps exchanging int8 deltas:
+# every boundary's shared hash identical on every survivor and equal to the replay
+# oracle fed the decoded round deltas.
+
+
+def round_oracle(g: Group, peer: Peer, start: Checkpoint | None = None) -> list[str]:
+    spec = []
+    for r in peer.steps():
+        i = r["round"] - 1
+        spec.append((r["roster"], {q: np.load(g.grads / f"{q}-{i}.npy") for q in r["roster"]}))
+    first = peer.steps()[0]["round"] - 1
+    if start is not None:
+        run_ = RunConfig.from_checkpoint(start)
+        return replay_rounds(start.params, spec, sync_every=run_.sync_every,
+                             total_steps=run_.steps, first_round=first)
+    tiny = tiny_run()
+    total = peer.end()["step"] if peer.end()["end"] == "done" else peer.steps()[-1]["step"]
+    return replay_rounds(init_params(tiny.model, tiny.seed), spec, sync_every=2,
+                         total_steps=max(total, 2 * len(spec)), first_round=first)
+
+
+def test_rounds_three_peers_identical_at_every_boundary_equal_to_replay(group: Group) -> None:
+    lead = group.leader(*ROUNDS, "--steps", "7", "--wait-peers", "3")
+    a = group.spawn("a")
+    # one peer on numpy's baseline instructions, as on an old CPU
+    b = group.spawn("b", env={"NPY_DISABLE_CPU_FEATURES":
+                              "X86_V3 X86_V4 AVX512_SKX AVX512_ICL"})
+    assert [p.wait() for p in (lead, a, b)] == [0, 0, 0], group.logs()
+    for p in (lead, a, b):
+        # rounds of 2, the last one short; records count optimizer steps
+        assert [(r["round"], r["step"]) for r in p.steps()] == [(1, 2), (2, 4), (3, 6), (4, 7)]
+        assert all(r["mode"] == "rounds H=2 int8" for r in p.steps())
+        assert p.end()["end"] == "done"
+    hashes = same_hashes(lead, a, b)
+    assert hashes == replay_rounds(init_params(tiny_run().model, 3),
+                                   [(r["roster"], {q: np.load(group.grads / f"{q}-{i}.npy")
+                                                   for q in r["roster"]})
+                                    for i, r in enumerate(lead.steps())],
+                                   sync_every=2, total_steps=7)
+    assert {p.end()["weight_hash"] for p in (lead, a, b)} == {hashes[-1]}
+    # int8 payloads: about a quarter of the float32 bytes
+    size = init_params(tiny_run().model, 3).size
+    assert lead.steps()[-1]["bytes_sent"] < 4 * size * 4 * 0.3
+
+
+def test_rounds_dropped_contribution_is_repaired_bit_exact(group: Group) -> None:
+    lead = group.leader(*ROUNDS, "--steps", "6", "--wait-peers", "3")
+    a = group.spawn("a")
+    b = group.spawn("b", env={"DAISYWEB_TEST_DROP_GRADIENT": "1"})
+    assert [p.wait() for p in (lead, a, b)] == [0, 0, 0], group.logs()
+    assert "dropped gradient of step 1" in b.log.read_text()
+    for p in (lead, a, b):
+        assert all(len(r["roster"]) == 3 for r in p.steps())
+    assert same_hashes(lead, a, b) == round_oracle(group, lead)
+
+
+@pytest.mark.parametrize("kind", ["nan", "short"])
+def test_rounds_bad_contribution_halts_with_a_valid_checkpoint(group: Group, kind: str) -> None:
+    lead = group.leader(*ROUNDS, "--steps", "8", "--wait-peers", "2",
+                        "--save", str(group.tmp / "lead.pt"))
+    bad = group.spawn("bad", env={"DAISYWEB_TEST_CORRUPT_GRADIENT": f"1:{kind}"})
+    assert lead.wait() == 1, group.logs()
+    bad.wait()
+    end = lead.end()
+    assert end["step"] == 2 and "refused at step 1" in end["end"]
+    c = load_checkpoint(group.tmp / "lead.pt")
+    assert c.step == 2  # the last committed boundary, untouched by the refused round
+
+
+def test_rounds_fork_halts_every_peer(group: Group) -> None:
+    lead = group.leader(*ROUNDS, "--steps", "8", "--wait-peers", "3")
+    a = group.spawn("a")
+    fork = group.spawn("fork", env={"DAISYWEB_TEST_FORK_AT": "2"})
+    assert [p.wait() for p in (lead, a, fork)] == [1, 1, 1], group.logs()
+    for p in (lead, a, fork):
+        assert fork.id() in p.end()["end"]
+
+
+def test_rounds_late_joiner_and_follower_killed_mid_round(group: Group) -> None:
+    lead = group.leader(*ROUNDS, "--steps", "12", "--wait-peers", "3", env=SLOW)
+    a = group.spawn("a", env=SLOW)
+    victim = group.spawn("victim", env=SLOW)
+    _wait_step(lead, 2)
+    late = group.spawn("late", env=SLOW)
+    _wait_step(late, 6)
+    victim.proc.send_signal(signal.SIGKILL)
+    assert [lead.wait(), a.wait(), late.wait()] == [0, 0, 0], group.logs()
+    rosters = [len(r["roster"]) for r in lead.steps()]
+    assert 4 in rosters and rosters[-1] == 3
+    assert [r["step"] for r in lead.steps()] == [2, 4, 6, 8, 10, 12]  # no round lost
+    assert same_hashes(lead, a, late) == round_oracle(group, lead)
+
+
+def test_rounds_leader_killed_mid_round(group: Group) -> None:
+    lead = group.leader(*ROUNDS, "--steps", "10", "--wait-peers", "3", env=SLOW)
+    a = group.spawn("a", "--save", str(group.tmp / "a.pt"), env=SLOW)
+    b = group.spawn("b", env=SLOW)
+    _wait_step(a, 4)
+    lead.proc.send_signal(signal.SIGKILL)
+    assert [a.wait(), b.wait()] == [0, 0], group.logs()
+    for p in (a, b):
+        assert [r["step"] for r in p.steps()] == [2, 4, 6, 8, 10]
+    assert "leading now" in a.log.read_text() + b.log.read_text()
+    assert same_hashes(a, b) == round_oracle(group, a)
+    saved = load_checkpoint(group.tmp / "a.pt")
+    assert saved.step == 10 and saved.run["sync_every"] == 2 and saved.run["codec"] == "int8"
+
+
+def test_rounds_resume_from_a_boundary_checkpoint(group: Group) -> None:
+    ck = group.tmp / "lead.pt"
+    lead = group.leader(*ROUNDS, "--steps", "8", "--wait-peers", "2", "--save", str(ck),
+                        "--save-every", "4", env=SLOW)
+    group.spawn("a", env=SLOW)
+    _wait_step(lead, 4)
+    deadline = time.monotonic() + 30
+    while not ck.exists():
+        assert time.monotonic() < deadline, group.logs()
+        time.sleep(0.05)
+    group.kill_all()
+    start = load_checkpoint(ck)
+    assert start.step in (4, 6)  # a round boundary (saved at 4; 6 if it raced the kill)
+    g2 = Group(group.server, group.tmp, group.room + "r")
+    try:
+        lead2 = g2.spawn("lead2", "--start", "--resume", str(ck), "--wait-peers", "2")
+        b2 = g2.spawn("b2")
+        assert [lead2.wait(), b2.wait()] == [0, 0], g2.logs()
+    finally:
+        g2.kill_all()
+    assert [r["step"] for r in lead2.steps()] == list(range(start.step + 2, 9, 2))
+    assert same_hashes(lead2, b2) == round_oracle(g2, lead2, start)
