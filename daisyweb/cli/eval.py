@@ -1,0 +1,101 @@
+"""``daisyweb-eval FILE.pt [--batches N]``: a checkpoint's loss on the held-out text.
+
+The held-out text is the last 5% of the built-in corpus (Colossians to Revelation), which
+no run trains on. The batches are fixed (``daisyweb.training.evaluate``), so two
+checkpoints evaluated with the same ``--batches`` are compared on the same tokens.
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import sys
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+from daisyweb.checkpoints.checkpoint import (
+    Checkpoint,
+    CheckpointError,
+    TokenizerInfo,
+    load_checkpoint,
+)
+from daisyweb.data import Tokenizer, default_tokenizer, heldout_tokens
+from daisyweb.training.evaluate import (
+    DEFAULT_BATCH,
+    DEFAULT_BATCHES,
+    heldout_batches,
+    heldout_loss,
+    max_batches,
+)
+
+MAX_BATCHES = 10_000
+
+
+@dataclass(frozen=True)
+class Evaluation:
+    step: int
+    loss: float
+    batches: int
+    batch: int
+    seq: int
+
+    @property
+    def tokens(self) -> int:
+        """Predicted (target) tokens: every window of seq + 1 tokens predicts seq of them."""
+        return self.batches * self.batch * self.seq
+
+    @property
+    def perplexity(self) -> float:
+        return math.exp(self.loss)
+
+
+def evaluate_checkpoint(ckpt: Checkpoint, batches: int = DEFAULT_BATCHES) -> Evaluation:
+    """Held-out loss of a loaded checkpoint on ``batches`` fixed batches."""
+    data = heldout_batches(ckpt.model.seq, batches=batches, batch=DEFAULT_BATCH)
+    loss = heldout_loss(ckpt.model, ckpt.params, data)
+    return Evaluation(ckpt.step, loss, batches, DEFAULT_BATCH, ckpt.model.seq)
+
+
+def _parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="daisyweb-eval",
+        description="Print a daisyweb checkpoint's loss and perplexity on the held-out text "
+                    "(the last 5%% of the built-in corpus, never trained on).")
+    p.add_argument("checkpoint", help="a .pt file written by daisyweb-demo/daisyweb-peer")
+    p.add_argument("--batches", type=int, default=DEFAULT_BATCHES,
+                   help=f"fixed batches of {DEFAULT_BATCH} windows to evaluate "
+                        f"(default {DEFAULT_BATCHES})")
+    return p
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = _parser()
+    args = parser.parse_args(argv)
+    if not 1 <= args.batches <= MAX_BATCHES:
+        parser.error(f"--batches must be between 1 and {MAX_BATCHES}")
+    if not Path(args.checkpoint).is_file():
+        print(f"daisyweb-eval: no such file: {args.checkpoint}", file=sys.stderr)
+        return 1
+    tok: Tokenizer = default_tokenizer()
+    try:
+        ckpt = load_checkpoint(args.checkpoint,
+                               expect_tokenizer=TokenizerInfo(tok.vocab_size, tok.file_hash))
+    except (CheckpointError, OSError) as exc:
+        print(f"daisyweb-eval: cannot use {args.checkpoint}: {exc}", file=sys.stderr)
+        return 1
+    fit = max_batches(ckpt.model.seq, DEFAULT_BATCH)
+    if args.batches > fit:
+        print(f"daisyweb-eval: --batches {args.batches} is more than the held-out text holds "
+              f"at seq {ckpt.model.seq}: at most {fit} batches of {DEFAULT_BATCH} windows "
+              f"({heldout_tokens().size} tokens)", file=sys.stderr)
+        return 2
+    ev = evaluate_checkpoint(ckpt, args.batches)
+    print(f"{args.checkpoint}: step {ev.step}, held-out loss {ev.loss:.6f}, "
+          f"perplexity {ev.perplexity:.2f} ({ev.tokens} tokens: {ev.batches} batches of "
+          f"{ev.batch} x {ev.seq})")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
