@@ -248,7 +248,7 @@ async def _raw_rounds(cfg: Config) -> list[float]:
     from aiortc import RTCPeerConnection, RTCSessionDescription
 
     from daisyweb.net import ice
-    from daisyweb.net.mesh import SEND_HIGH_WATER, SEND_LOW_WATER
+    from daisyweb.net.link import SEND_HIGH_WATER, SEND_LOW_WATER
 
     ice.restrict_host_candidates([LOOPBACK])
     payload = _payload(cfg.size)

@@ -1,9 +1,17 @@
-"""Signaling protocol: message constants and one validating decoder."""
+"""Signaling protocol: message constants, one validating decoder, and the client side.
+
+The server decodes every client message with :func:`decode`. A client builds what it
+sends with :func:`signal`, :func:`decision` and :func:`status`, and reads what the
+server sends with :func:`parse_server`, which returns one of the frozen dataclasses
+below (``docs/protocol.md`` lists every message).
+"""
 
 from __future__ import annotations
 
 import json
 import re
+from collections.abc import Mapping
+from dataclasses import dataclass
 from typing import Any
 
 MAX_MESSAGE_BYTES = 64 * 1024
@@ -108,3 +116,149 @@ def decode(raw: str | bytes) -> dict[str, Any]:
     if isinstance(kind, str):
         raise ProtocolError("unknown_type", f"unknown message type {kind[:32]!r}")
     raise ProtocolError("bad_message", "field 'type' must be a string")
+
+
+# ----------------------------------------------------------------------------
+# Client side: messages a client sends (each passes :func:`decode`) ...
+
+
+def signal(to: str, kind: str, data: dict[str, Any]) -> dict[str, Any]:
+    """Ask the server to relay WebRTC signaling ``data`` to member ``to``."""
+    return {"type": "signal", "to": to, "kind": kind, "data": data}
+
+
+def decision(peer_id: str, approve: bool) -> dict[str, Any]:
+    """The host's ``approve`` or ``deny`` of a waiting peer."""
+    return {"type": "approve" if approve else "deny", "id": peer_id}
+
+
+def status(fields: Mapping[str, Any]) -> dict[str, Any]:
+    """A status report for the dashboard (fields as in ``docs/protocol.md``)."""
+    return {"type": "status", **fields}
+
+
+# ... and the messages it receives, parsed.
+
+
+@dataclass(frozen=True)
+class Welcome:
+    """The first message after connecting: our id, and whether we are in yet."""
+
+    id: str
+    group: str | None
+    host: str | None
+    member: bool  # False: waiting for the host's approval
+
+
+@dataclass(frozen=True)
+class PeerList:
+    """The approved members, in server order, as (id, display name); includes us."""
+
+    peers: tuple[tuple[str, str], ...]
+    host: str | None
+
+
+@dataclass(frozen=True)
+class Waiting:
+    """To the host only: the peers waiting for approval, as (id, display name)."""
+
+    peers: tuple[tuple[str, str], ...]
+
+
+@dataclass(frozen=True)
+class Approved:
+    """We were waiting and are now a member."""
+
+
+@dataclass(frozen=True)
+class Denied:
+    """The host refused us; the server closes the socket."""
+
+
+@dataclass(frozen=True)
+class Relayed:
+    """WebRTC signaling from another member."""
+
+    sender: str
+    kind: str
+    data: dict[str, Any]
+
+
+@dataclass(frozen=True)
+class HostKey:
+    """To the host of a private room: the secret of its dashboard link."""
+
+    key: str
+
+
+@dataclass(frozen=True)
+class Decision:
+    """To the host: a decision made on its dashboard page, for it to act on."""
+
+    id: str
+    approve: bool
+
+
+@dataclass(frozen=True)
+class Refused:
+    """The server's ``error`` reply to something we sent."""
+
+    code: str | None
+    message: str | None
+
+
+@dataclass(frozen=True)
+class UnknownMessage:
+    """A type this client does not know (a newer server); safe to ignore."""
+
+    type: object
+
+
+ServerMessage = (
+    Welcome | PeerList | Waiting | Approved | Denied | Relayed | HostKey | Decision
+    | Refused | UnknownMessage
+)
+
+
+def _req(msg: Mapping[str, Any], name: str) -> Any:
+    if name not in msg:
+        raise ProtocolError("missing_field", f"{msg.get('type')!r} message lacks {name!r}")
+    return msg[name]
+
+
+def _named_peers(msg: Mapping[str, Any]) -> tuple[tuple[str, str], ...]:
+    peers = _req(msg, "peers")
+    if not isinstance(peers, list) or not all(isinstance(p, dict) for p in peers):
+        raise ProtocolError("bad_field", "'peers' must be a list of objects")
+    return tuple((str(_req(p, "id")), str(p.get("name", ""))) for p in peers)
+
+
+def parse_server(msg: Mapping[str, Any]) -> ServerMessage:
+    """One server->client message (a decoded JSON object) as its dataclass.
+
+    Raises ProtocolError (a ValueError) when a known type lacks a field it needs.
+    """
+    kind = msg.get("type")
+    if kind == "welcome":
+        return Welcome(str(_req(msg, "id")), msg.get("group"), msg.get("host"),
+                       msg.get("state") == "member")
+    if kind == "peers":
+        return PeerList(_named_peers(msg), msg.get("host"))
+    if kind == "waiting":
+        return Waiting(_named_peers(msg))
+    if kind == "approved":
+        return Approved()
+    if kind == "denied":
+        return Denied()
+    if kind == "signal":
+        data = _req(msg, "data")
+        if not isinstance(data, dict):
+            raise ProtocolError("bad_field", "'data' must be an object")
+        return Relayed(str(_req(msg, "from")), str(_req(msg, "kind")), data)
+    if kind == "host_key":
+        return HostKey(str(_req(msg, "key")))
+    if kind == "decision":
+        return Decision(str(_req(msg, "id")), bool(_req(msg, "approve")))
+    if kind == "error":
+        return Refused(msg.get("code"), msg.get("message"))
+    return UnknownMessage(kind)

@@ -1,4 +1,8 @@
-"""Mesh tests: real signaling server on 127.0.0.1 (ephemeral port), real aiortc."""
+"""Mesh tests: real signaling server on 127.0.0.1 (ephemeral port), real aiortc.
+
+They go through the Mesh interface; where a test needs to reach behind it (a raw
+channel, the signaling client's state) it names the private attribute it uses.
+"""
 
 from __future__ import annotations
 
@@ -10,10 +14,10 @@ import aiohttp
 import pytest
 from aiohttp import web
 
-from daisyweb.net import mesh as meshmod
+from daisyweb.net import link as linkmod
+from daisyweb.net import signaling_client
 from daisyweb.net.mesh import (
     BadMessage,
-    BroadcastError,
     JoinDenied,
     JoinTimeout,
     Members,
@@ -24,6 +28,7 @@ from daisyweb.net.mesh import (
     Received,
 )
 from daisyweb.protocol import framing, wire
+from signaling import protocol
 from signaling.server import REGISTRY, create_app
 
 # aiortc's SCTP waits at least 1 s (its minimum RTO) to resend a lost packet, and a
@@ -108,17 +113,9 @@ def grad(sender: str, n_bytes: int, step: int = 1, seed: int = 0) -> wire.Gradie
 # ----------------------------------------------------------------------------
 
 
-def test_ws_url():
-    assert meshmod._ws_url("http://127.0.0.1:8787") == "ws://127.0.0.1:8787/ws"
-    assert meshmod._ws_url("https://x.example/base/") == "wss://x.example/base/ws"
-    assert meshmod._ws_url("ws://127.0.0.1:1/ws") == "ws://127.0.0.1:1/ws"
-    with pytest.raises(ValueError):
-        meshmod._ws_url("ftp://127.0.0.1")
-
-
 async def test_two_peers_exchange_small_and_multi_mb(srv):
     a, b = await connected_pair(srv)
-    assert a.members == b.members == (a.self_id, b.self_id)
+    assert a._signaling.members == b._signaling.members == (a.self_id, b.self_id)
     assert a.connected() == [b.self_id] and b.connected() == [a.self_id]
     # Only loopback host candidates in the SDP both sides used.
     for m, other in ((a, b), (b, a)):
@@ -147,13 +144,13 @@ async def test_send_order_and_errors(srv):
     assert got == msgs  # per-link lock: delivered in send() order, frames not interleaved
     with pytest.raises(MeshError, match="not connected"):
         await a.send("ffffffff", msgs[0])
-    small = srv.mesh(name="small", max_message_bytes=1000)
-    small.self_id = "x"  # not started: sizes are checked before any link lookup
+    small = srv.mesh(name="small", max_message_bytes=1000)  # not started: sizes are
+    # checked before any link lookup
     with pytest.raises(MeshError, match="over max_message_bytes"):
         await small.send("nobody", grad("x", 2000))
 
 
-async def test_three_peers_broadcast(srv):
+async def test_three_peers_full_mesh(srv):
     ms = [srv.mesh(name=f"p{i}") for i in range(3)]
     for m in ms:
         await m.start()
@@ -164,20 +161,22 @@ async def test_three_peers_broadcast(srv):
     ids = {m.self_id for m in ms}
     for m in ms:
         assert set(m.connected()) == ids - {m.self_id}
-        assert set(m.members) == ids
+        assert set(m._signaling.members) == ids
     # Exactly one pc per pair: the lower id dialled, the higher answered.
     for m in ms:
         assert set(m._dialers) == {o for o in ids if o > m.self_id}
     g = grad(ms[0].self_id, 2 * 2**20)
-    await ms[0].broadcast(g)
+    await asyncio.gather(*(ms[0].send(p, g) for p in ms[0].connected()))  # concurrent sends
     for m in ms[1:]:
         e = await until(m, received(ms[0].self_id))
         assert e.message == g
-    # Explicit peer list, including one that is not connected: others still get it.
+    # A send to a peer that is not connected fails alone: the others still get theirs.
     h = wire.Hello(peer_id=ms[1].self_id)
-    with pytest.raises(BroadcastError) as ei:
-        await ms[1].broadcast(h, peers=[ms[2].self_id, "deadbeef"])
-    assert set(ei.value.failed) == {"deadbeef"}
+    results = await asyncio.gather(
+        ms[1].send(ms[2].self_id, h), ms[1].send("deadbeef", h), return_exceptions=True
+    )
+    assert results[0] is None
+    assert isinstance(results[1], MeshError) and "deadbeef is not connected" in str(results[1])
     assert (await until(ms[2], received(ms[1].self_id))).message == h
 
 
@@ -198,7 +197,7 @@ async def test_heartbeat_timeout_and_liveness_from_data(srv):
     a, b = await connected_pair(srv, **FAST_HB)
     # a stops heartbeating to b but streams data for longer than the timeout: any frame
     # counts as liveness, so b must not declare a dead.
-    a.fault_drop = lambda peer, msg: isinstance(msg, wire.Heartbeat)
+    a.drop_outgoing = lambda peer, msg: isinstance(msg, wire.Heartbeat)
     end = time.monotonic() + 2 * FAST_HB["heartbeat_timeout"]
     n = 0
     while time.monotonic() < end:
@@ -215,14 +214,14 @@ async def test_heartbeat_timeout_and_liveness_from_data(srv):
     assert (e.peer, e.reason) == (a.self_id, "heartbeat timeout")
     assert time.monotonic() - t0 < FAST_HB["heartbeat_timeout"] + 1
     # Heal the fault: the lower id dials again and the link comes back (no glare).
-    a.fault_drop = None
+    a.drop_outgoing = None
     await until(a, up(b.self_id), timeout=8)
     await until(b, up(a.self_id), timeout=8)
     await a.send(b.self_id, wire.Hello(peer_id=a.self_id))
     assert (await until(b, received(a.self_id))).message.peer_id == a.self_id
 
 
-async def test_fault_drop_one_message_to_one_peer(srv):
+async def test_drop_outgoing_one_message_to_one_peer(srv):
     a, b = await connected_pair(srv)
     dropped: list = []
 
@@ -232,11 +231,24 @@ async def test_fault_drop_one_message_to_one_peer(srv):
             return True
         return False
 
-    a.fault_drop = drop
+    a.drop_outgoing = drop
     for step in (1, 2, 3):
         await a.send(b.self_id, wire.Gradient(step=step, sender=a.self_id, payload=b"\0" * 8))
     steps = [(await until(b, received())).message.step for _ in range(2)]
     assert steps == [1, 3] and len(dropped) == 1
+
+
+async def test_fault_drop_is_an_alias_of_drop_outgoing(srv):
+    m = srv.mesh(name="alias")
+    assert m.drop_outgoing is None and m.fault_drop is None
+
+    def hook(peer: str, msg: wire.Message) -> bool:
+        return False
+
+    m.fault_drop = hook  # the old name, until every caller uses drop_outgoing
+    assert m.drop_outgoing is hook and m.fault_drop is hook
+    m.drop_outgoing = None
+    assert m.fault_drop is None
 
 
 async def test_backpressure_bounds_channel_buffer(srv):
@@ -255,7 +267,7 @@ async def test_backpressure_bounds_channel_buffer(srv):
     await a.send(b.self_id, g)
     assert (await until(b, received())).message == g
     # Without waiting on bufferedAmount all 4 MB would have been queued at once.
-    assert 0 < peak <= meshmod.SEND_HIGH_WATER + framing.MAX_FRAME
+    assert 0 < peak <= linkmod.SEND_HIGH_WATER + framing.MAX_FRAME
 
 
 async def test_bad_frames_reported_link_survives(srv):
@@ -284,12 +296,12 @@ async def test_bad_frames_reported_link_survives(srv):
 async def test_misbehaving_peer_dropped(srv):
     a, b = await connected_pair(srv)
     ch = a._links[b.self_id].channel
-    for _ in range(meshmod.MAX_BAD_MESSAGES + 1):
+    for _ in range(linkmod.MAX_BAD_MESSAGES + 1):
         ch.send(b"junk" * 10)
     seen: list = []
     e = await until(b, lambda e: isinstance(e, PeerDown), seen=seen)
     assert e.reason.startswith("too many bad messages")
-    assert sum(isinstance(x, BadMessage) for x in seen) == meshmod.MAX_BAD_MESSAGES + 1
+    assert sum(isinstance(x, BadMessage) for x in seen) == linkmod.MAX_BAD_MESSAGES + 1
 
 
 async def test_oversize_message_refused_by_receiver(srv):
@@ -314,7 +326,7 @@ async def test_receive_backlog_bounded(srv):
     for step in range(4):  # b's application reads nothing meanwhile
         await a.send(b.self_id, grad(a.self_id, 400_000, step=step))
     for _ in range(200):  # reading events would drain the backlog: only peek
-        if any(isinstance(e, PeerDown) for e, _ in b._events):
+        if any(isinstance(e, PeerDown) for e, _ in b._events._items):
             break
         await asyncio.sleep(0.025)
     seen: list = []
@@ -329,7 +341,7 @@ async def test_offer_from_higher_id_ignored(srv):
     link = lo._links[hi.self_id]
     # Were it not ignored, the answerer path would first replace the live link.
     offer = {"sdp": "v=0", "type": "offer"}
-    await hi._ws.send_json({"type": "signal", "to": lo.self_id, "kind": "offer", "data": offer})
+    await hi._signaling._send(protocol.signal(lo.self_id, "offer", offer))
     await hi.send(lo.self_id, wire.Hello(peer_id=hi.self_id))
     seen: list = []
     await until(lo, received(hi.self_id), seen=seen)
@@ -359,7 +371,7 @@ async def test_room_approval_callback(srv):
 
     host = srv.mesh(name="host", room="lab-42", approve=approve)
     await host.start()
-    assert host.host == host.self_id
+    assert host._signaling.host == host.self_id
     friend = srv.mesh(name="friend", room="lab-42", join_timeout=5)
     await friend.start()
     await until(host, up(friend.self_id))
@@ -367,7 +379,7 @@ async def test_room_approval_callback(srv):
     with pytest.raises(JoinDenied, match="denied"):
         await stranger.start()
     assert [n for _, n in asked] == ["friend", "stranger"]
-    assert host.members == (host.self_id, friend.self_id)
+    assert host._signaling.members == (host.self_id, friend.self_id)
 
 
 async def test_join_timeout(srv):
@@ -384,7 +396,7 @@ async def test_join_timeout(srv):
     with pytest.raises(JoinTimeout, match="not admitted"):
         await late.start()
     assert time.monotonic() - t0 < 2
-    assert late._ws.closed  # gave up: the socket is closed, nothing left running
+    assert late._signaling._ws.closed  # gave up: the socket is closed, nothing left running
 
 
 async def test_dashboard_decision_and_host_key(srv):
@@ -397,28 +409,29 @@ async def test_dashboard_decision_and_host_key(srv):
     host = srv.mesh(name="host", room="dash-room", approve=never)
     await host.start()
     for _ in range(50):
-        if host.host_key:
+        if host._signaling.host_key:
             break
         await asyncio.sleep(0.02)
-    assert host.host_key and host.host_key in host.host_link()
+    key = host._signaling.host_key
+    assert key and host.host_link() == f"{srv.url}/?room=dash-room&key={key}"
     joiner = srv.mesh(name="joiner", room="dash-room", join_timeout=5)
     join = asyncio.create_task(joiner.start())
     async with aiohttp.ClientSession() as s:
         for _ in range(100):
-            if host._waiting:
+            if host._signaling._waiting:
                 break
             await asyncio.sleep(0.02)
-        (pid,) = host._waiting
+        (pid,) = host._signaling._waiting
         r = await s.post(
             f"{srv.url}/api/rooms/dash-room/decide",
-            json={"key": host.host_key, "id": pid, "approve": True},
+            json={"key": key, "id": pid, "approve": True},
         )
         assert r.status == 200
     await asyncio.wait_for(join, 5)
-    assert joiner.self_id == pid and pid in host.members
+    assert joiner.self_id == pid and pid in host._signaling.members
     gate.set()  # the cancelled callback must not send a second (deny) decision
     await asyncio.sleep(0.1)
-    assert host.members == (host.self_id, pid)
+    assert host._signaling.members == (host.self_id, pid)
 
 
 async def test_report_status_reaches_server_and_is_coalesced(srv):
@@ -426,8 +439,8 @@ async def test_report_status_reaches_server_and_is_coalesced(srv):
     await m.start()
     for step in range(60):  # faster than the server's 50 msg/s limit
         await m.report_status(step=step, loss=1.0 / (step + 1), hash="ab", peers=0)
-    await asyncio.sleep(meshmod.STATUS_MIN_INTERVAL * 3)
-    group = srv.app[REGISTRY].groups[m.group]
+    await asyncio.sleep(signaling_client.STATUS_MIN_INTERVAL * 3)
+    group = srv.app[REGISTRY].groups[m._signaling.group]
     assert group.reports[m.self_id]["step"] == 59  # the latest always arrives
     assert len(group.history[m.self_id]) < 10
     assert srv.app[REGISTRY].peers[m.self_id][0].errors == 0  # never rate limited
@@ -436,8 +449,8 @@ async def test_report_status_reaches_server_and_is_coalesced(srv):
 async def test_unknown_signaling_type_ignored(srv):
     m = srv.mesh(name="solo")
     await m.start()
-    await m._on_signaling({"type": "from-the-future", "x": 1})
-    assert m.signaling_up and m.members == (m.self_id,)
+    await m._signaling._handle({"type": "from-the-future", "x": 1})
+    assert m._signaling.up and m._signaling.members == (m.self_id,)
 
 
 async def test_unreachable_server():

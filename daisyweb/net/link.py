@@ -1,0 +1,258 @@
+"""One peer link: an ``RTCPeerConnection`` with one reliable, ordered data channel.
+
+A :class:`Link` negotiates (offer, answer), opens its channel, and carries whole
+:mod:`daisyweb.protocol.wire` messages as :mod:`daisyweb.protocol.framing` frames of at
+most 48 KiB. It puts what happens on it (``PeerUp``, ``Received``, ``BadMessage``,
+``PeerDown``) on the mesh's :class:`~daisyweb.net.events.EventQueue`; which peers get a
+link, and when one is redialled, is the mesh's business.
+
+Sending waits on the channel's ``bufferedAmount`` (``bufferedamountlow``) so at most
+``SEND_HIGH_WATER`` bytes sit in aiortc's queue, and one message at a time goes out
+per link, so messages arrive in ``send`` order. Heartbeats skip that lock: one small
+frame is never stuck behind a big message.
+
+aiortc delivers received data through a synchronous callback that cannot be paused,
+so the receive side is bounded by bytes instead: reassembly holds at most
+``max_message_bytes`` per in-flight message, and the event queue at most its
+``max_bytes`` of received-but-unread messages; a peer that would push past that is
+dropped (``PeerDown``) rather than letting memory grow. So is a peer that sends more
+than ``MAX_BAD_MESSAGES`` broken messages. Any frame received counts as liveness, so a
+long transfer never looks like a dead peer.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import time
+from collections import deque
+from collections.abc import Callable, Iterator
+from typing import Any
+
+from aiortc import RTCConfiguration, RTCDataChannel, RTCPeerConnection, RTCSessionDescription
+
+from daisyweb.net.events import (
+    BadMessage,
+    EventQueue,
+    MeshError,
+    PeerDown,
+    PeerUp,
+    Received,
+)
+from daisyweb.protocol import framing, wire
+
+__all__ = ["Link", "SEND_HIGH_WATER", "SEND_LOW_WATER", "CHANNEL_LABEL", "MAX_BAD_MESSAGES"]
+
+log = logging.getLogger("daisyweb.net.mesh")
+
+# Backpressure marks on a channel's bufferedAmount. High enough to keep aiortc's SCTP
+# sender busy between wake-ups, low enough that a heartbeat queued behind it still
+# leaves within a fraction of a second at the ~6-10 MB/s aiortc manages.
+SEND_HIGH_WATER = 1 << 20
+SEND_LOW_WATER = 256 << 10
+CHANNEL_LABEL = "daisyweb"
+# A link refusing more than this many distinct messages is a misbehaving peer: drop it.
+MAX_BAD_MESSAGES = 20
+
+
+class Link:
+    """The connection to one peer, from negotiation until it is dropped (once)."""
+
+    def __init__(
+        self,
+        peer: str,
+        session: int,
+        *,
+        configuration: RTCConfiguration,
+        events: EventQueue,
+        max_message_bytes: int,
+        msg_ids: Iterator[int],
+        on_drop: Callable[[Link], None],
+    ) -> None:
+        self.peer = peer
+        self.session = session  # which offer this link belongs to (stale answers are ignored)
+        self.pc = RTCPeerConnection(configuration)
+        self.channel: RTCDataChannel | None = None
+        self.up = False
+        self.dead = False
+        self.opened = asyncio.Event()
+        self.died = asyncio.Event()
+        self._events = events
+        self._max_message_bytes = max_message_bytes
+        self._msg_ids = msg_ids  # shared by the mesh's links: ids never repeat
+        self._on_drop = on_drop
+        self._reassembler = framing.Reassembler(max_total=max_message_bytes)
+        self._last_rx = time.monotonic()
+        self._send_lock = asyncio.Lock()
+        self._drained = asyncio.Event()
+        self._bad = 0
+        # msg_ids already reported bad: the rest of that message's frames are refused
+        # too, but one broken message is one BadMessage, not one per frame.
+        self._refused: deque[int] = deque(maxlen=256)
+        self.pc.on("connectionstatechange", self._state_changed)
+        self.pc.on("datachannel", self._channel_offered)
+
+    @property
+    def usable(self) -> bool:
+        """The channel is open and the link not dropped."""
+        return self.up and not self.dead
+
+    # ------------------------------------------------------------------ negotiation
+
+    async def offer(self) -> dict[str, Any]:
+        """Offerer side: create the channel; return the offer to signal."""
+        self._attach(self.pc.createDataChannel(CHANNEL_LABEL, ordered=True))
+        await self.pc.setLocalDescription(await self.pc.createOffer())
+        return self._local_description()
+
+    async def answer(self, offer: dict[str, Any]) -> dict[str, Any]:
+        """Answerer side: take the peer's offer; return the answer to signal."""
+        await self.pc.setRemoteDescription(
+            RTCSessionDescription(sdp=str(offer["sdp"]), type="offer")
+        )
+        await self.pc.setLocalDescription(await self.pc.createAnswer())
+        return self._local_description()
+
+    async def accept(self, answer: dict[str, Any]) -> None:
+        """Offerer side: take the peer's answer (ignored unless an offer is pending)."""
+        if self.pc.signalingState != "have-local-offer":
+            return
+        await self.pc.setRemoteDescription(
+            RTCSessionDescription(sdp=str(answer["sdp"]), type="answer")
+        )
+
+    def _local_description(self) -> dict[str, Any]:
+        desc = self.pc.localDescription
+        return {"sdp": desc.sdp, "type": desc.type, "session": self.session}
+
+    def _state_changed(self) -> None:
+        if self.pc.connectionState in ("failed", "closed"):
+            self.drop(f"connection {self.pc.connectionState}")
+
+    def _channel_offered(self, channel: RTCDataChannel) -> None:
+        if self.channel is None and channel.label == CHANNEL_LABEL:
+            self._attach(channel)
+        else:
+            log.warning("unexpected data channel %r from %s", channel.label, self.peer)
+
+    def _attach(self, channel: RTCDataChannel) -> None:
+        self.channel = channel
+        channel.bufferedAmountLowThreshold = SEND_LOW_WATER
+        channel.on("bufferedamountlow", self._drained.set)
+        channel.on("open", self._opened)
+        channel.on("close", lambda: self.drop("channel closed"))
+        channel.on("message", self._on_frame)
+        if channel.readyState == "open":
+            self._opened()
+
+    def _opened(self) -> None:
+        if self.up or self.dead:
+            return
+        self.up = True
+        self._last_rx = time.monotonic()
+        self.opened.set()
+        self._events.put(PeerUp(self.peer))
+
+    # ------------------------------------------------------------------ end of life
+
+    def drop(self, reason: str) -> None:
+        """Forget this link for good (idempotent); PeerDown if it had been up."""
+        if self.dead:
+            return
+        self._die()
+        self._on_drop(self)
+        if self.up:
+            log.info("link to %s down: %s", self.peer, reason)
+            self._events.put(PeerDown(self.peer, reason))
+
+    def abandon(self) -> None:
+        """Mark dead without a PeerDown: the mesh is closing (it closes ``pc`` itself)."""
+        self._die()
+
+    def _die(self) -> None:
+        self.dead = True
+        self._drained.set()  # wake blocked senders; they see ``dead`` and fail
+        self.died.set()
+
+    def check_liveness(self, now: float, timeout: float) -> bool:
+        """Whether the link is usable and heard from within ``timeout``; else drop it."""
+        if not self.usable:
+            return False
+        if now - self._last_rx > timeout:
+            self.drop("heartbeat timeout")
+            return False
+        return True
+
+    # ------------------------------------------------------------------ sending
+
+    async def send(self, data: bytes) -> None:
+        """Send one encoded message (waits while the channel buffer is full)."""
+        frames = framing.frame(data, next(self._msg_ids))
+        async with self._send_lock:  # one message at a time: frames never interleave
+            channel = self.channel
+            assert channel is not None
+            for f in frames:
+                while channel.bufferedAmount > SEND_HIGH_WATER and not self.dead:
+                    self._drained.clear()
+                    await self._drained.wait()
+                if self.dead:
+                    raise MeshError(f"peer {self.peer} disconnected during send")
+                try:
+                    channel.send(f)
+                except Exception as e:  # InvalidStateError when the channel just closed
+                    raise MeshError(f"send to {self.peer} failed: {e}") from e
+
+    def send_heartbeat(self, data: bytes) -> None:
+        """One encoded heartbeat, now: bypasses the send lock and backpressure.
+
+        A single small frame, queued behind at most SEND_HIGH_WATER bytes, so it is
+        never starved by a big transfer.
+        """
+        with contextlib.suppress(Exception):  # a closing channel: the drop follows
+            assert self.channel is not None
+            self.channel.send(framing.frame(data, next(self._msg_ids))[0])
+
+    # ------------------------------------------------------------------ receiving
+
+    def _on_frame(self, data: bytes | str) -> None:
+        if self.dead:
+            return
+        self._last_rx = time.monotonic()  # any frame is liveness
+        if not isinstance(data, bytes):
+            self._report_bad("text message on the data channel (frames are binary)")
+            return
+        try:
+            whole = self._reassembler.feed(data)
+        except wire.WireError as e:
+            msg_id = framing.frame_id(data)
+            if msg_id is not None and msg_id in self._refused:
+                return  # the rest of a message already reported
+            if msg_id is not None:
+                self._refused.append(msg_id)
+            self._report_bad(f"bad frame: {e}")
+            return
+        if whole is None:
+            return
+        try:
+            message = wire.decode(whole, max_len=self._max_message_bytes)
+        except wire.WireError as e:
+            self._report_bad(f"bad message: {e}")
+            return
+        if isinstance(message, wire.Heartbeat):
+            return
+        size = len(whole)
+        if not self._events.fits(size):
+            # The application is not reading; dropping this peer keeps memory bounded.
+            log.warning("receive backlog over %d bytes; dropping %s", self._events.max_bytes,
+                        self.peer)
+            self.drop("receive backlog full")
+            return
+        self._events.put(Received(self.peer, message), size)
+
+    def _report_bad(self, error: str) -> None:
+        self._bad += 1
+        log.info("from %s: %s", self.peer, error)
+        self._events.put(BadMessage(self.peer, error))
+        if self._bad > MAX_BAD_MESSAGES:
+            self.drop(f"too many bad messages ({self._bad})")
