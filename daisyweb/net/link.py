@@ -167,8 +167,12 @@ class Link:
             self._events.put(PeerDown(self.peer, reason))
 
     def abandon(self) -> None:
-        """Mark dead without a PeerDown: the mesh is closing (it closes ``pc`` itself)."""
+        """Mark dead without a PeerDown: the mesh is closing (then it calls ``close``)."""
         self._die()
+
+    async def close(self) -> None:
+        """Close the connection (after ``drop`` or ``abandon``)."""
+        await self.pc.close()
 
     def _die(self) -> None:
         self.dead = True

@@ -46,11 +46,13 @@ from daisyweb.net.events import (
     PeerUp,
     Received,
 )
-from daisyweb.net.link import SEND_HIGH_WATER, SEND_LOW_WATER, Link
+from daisyweb.net.link import Link
 from daisyweb.net.signaling_client import Approve, SignalingClient
 from daisyweb.net.tasks import TaskSet, cancel, reap
 from daisyweb.protocol import wire
 
+# The events and errors are re-exported for callers that import this module; new code
+# imports them from the package, ``daisyweb.net``.
 __all__ = [
     "PeerUp",
     "PeerDown",
@@ -62,8 +64,6 @@ __all__ = [
     "JoinDenied",
     "MeshError",
     "Mesh",
-    "SEND_HIGH_WATER",
-    "SEND_LOW_WATER",
 ]
 
 log = logging.getLogger("daisyweb.net.mesh")
@@ -212,7 +212,7 @@ class Mesh:
         self._links.clear()
         for link in links:
             link.abandon()
-        await asyncio.gather(*(link.pc.close() for link in links), return_exceptions=True)
+        await asyncio.gather(*(link.close() for link in links), return_exceptions=True)
         await self._signaling.close()
         await reap(tasks)
 
@@ -264,7 +264,7 @@ class Mesh:
         if self._links.get(link.peer) is link:
             del self._links[link.peer]
         if not self._closed:
-            self._tasks.spawn(link.pc.close())
+            self._tasks.spawn(link.close())
 
     async def _dial(self, peer: str) -> None:
         """Offerer side: keep one link to ``peer`` while it is a member."""

@@ -10,7 +10,7 @@ from typing import Any
 
 __all__ = ["TaskSet", "cancel", "reap"]
 
-log = logging.getLogger("daisyweb.net")
+log = logging.getLogger("daisyweb.net.mesh")
 
 
 class TaskSet:
