@@ -1,0 +1,243 @@
+"""A group against one machine: real pinned processes, equal-token losses, a projection.
+
+    python -m bench.scaling            # the full run (about 15 minutes on 2 cores)
+    python -m bench.scaling --quick    # smoke run, nothing written
+
+1. **Real processes on 127.0.0.1.** One peer alone (``daisyweb-demo --peers 1``) pinned to
+   core 0, against two ``daisyweb-peer`` processes pinned to cores 0 and 1 (``taskset``),
+   one BLAS thread each, same per-peer batch, a signaling server on loopback. For each
+   exchange mode: the group's tokens/s over one peer's, communication share, payload
+   bytes sent per peer per 1,000 trained tokens. Then the default mode trains just long
+   enough to pass one peer's 300-step held-out loss, and both checkpoints are evaluated
+   on the held-out split (``daisyweb.training.evaluate``): the wall-time ratio.
+2. **Held-out loss at equal tokens** for every mode, from ``bench.rounds_sim`` (the
+   product's own trainers, codecs and averaging in one process, no network).
+3. **A projection** for 2-16 separate machines on 5/25/100 MB/s links, computed from the
+   measured compute time per step and bytes per exchange. Labelled as a projection.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+from bench._results import machine, write_section
+from bench.rounds_sim import simulate
+from daisyweb.checkpoints.checkpoint import load_checkpoint
+from daisyweb.training.evaluate import heldout_batches, heldout_loss
+
+ROOT = Path(__file__).resolve().parent.parent
+ENV = dict(os.environ, OPENBLAS_NUM_THREADS="1", PYTHONUNBUFFERED="1")
+MODES = [  # (label, sync_every, codec)
+    ("lockstep f32", 1, "f32"),
+    ("lockstep int8", 1, "int8"),
+    ("rounds H=8 f32", 8, "f32"),
+    ("rounds H=8 int8", 8, "int8"),
+    ("rounds H=32 f32", 32, "f32"),
+    ("rounds H=32 int8 (default)", 32, "int8"),
+]
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def _records(path: Path) -> list[dict]:
+    return [json.loads(line) for line in path.read_text().splitlines() if line]
+
+
+def one_peer(steps: int, tmp: Path) -> dict:
+    """One peer alone on core 0: training seconds (sum of step times) and its checkpoint."""
+    metrics, ckpt = tmp / "solo.jsonl", tmp / "solo.pt"
+    cmd = ["taskset", "-c", "0", sys.executable, "-m", "daisyweb.cli.demo", "--peers", "1",
+           "--steps", str(steps), "--metrics", str(metrics), "--save", str(ckpt)]
+    subprocess.run(cmd, cwd=tmp, env=ENV, check=True, capture_output=True, timeout=1800)
+    recs = [r for r in _records(metrics) if "compute_s" in r]
+    secs = sum(r["compute_s"] for r in recs)
+    return {"train_s": secs, "tokens_per_s": sum(8 * 64 for _ in recs) / secs, "ckpt": ckpt}
+
+
+def two_peers(steps: int, sync_every: int, codec: str, tmp: Path, tag: str) -> dict:
+    """Two peers pinned to cores 0 and 1 over aiortc on loopback; the leader's records."""
+    port = _free_port()
+    server = subprocess.Popen(
+        [sys.executable, "-m", "signaling.cli", "--host", "127.0.0.1", "--port", str(port),
+         "--data", "builtin"], cwd=tmp, env=ENV, stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL)
+    procs: list[subprocess.Popen[bytes]] = []
+    try:
+        deadline = time.monotonic() + 30
+        while True:
+            try:
+                socket.create_connection(("127.0.0.1", port), timeout=0.5).close()
+                break
+            except OSError:
+                if time.monotonic() > deadline:
+                    raise SystemExit("signaling server did not start") from None
+                time.sleep(0.1)
+        url, room = f"http://127.0.0.1:{port}", f"scale-{tag}"
+        base = [sys.executable, "-m", "daisyweb.cli.peer", "--server", url, "--room", room,
+                "--ice-host", "127.0.0.1", "--approve", "auto", "--join-timeout", "60"]
+        metrics, ckpt = tmp / f"{tag}.jsonl", tmp / f"{tag}.pt"
+        lead = base + ["--start", "--wait-peers", "2", "--steps", str(steps),
+                       "--sync-every", str(sync_every), "--codec", codec,
+                       "--metrics", str(metrics), "--save", str(ckpt)]
+        procs.append(subprocess.Popen(["taskset", "-c", "0", *lead], cwd=tmp, env=ENV,
+                                      stdout=subprocess.DEVNULL, stderr=subprocess.PIPE))
+        time.sleep(1.0)  # the room's first peer is its host
+        procs.append(subprocess.Popen(["taskset", "-c", "1", *base], cwd=tmp, env=ENV,
+                                      stdout=subprocess.DEVNULL, stderr=subprocess.PIPE))
+        for p in procs:
+            _, err = p.communicate(timeout=3600)
+            if p.returncode != 0:
+                raise SystemExit(f"{tag}: a peer failed:\n{err.decode()[-2000:]}")
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+        server.terminate()
+        server.wait(timeout=10)
+    recs = [r for r in _records(metrics) if "round" in r]
+    # The first exchange includes the links' warm-up; it is dropped from the rates.
+    steady = recs[1:]
+    wall = sum(r["wall_s"] for r in steady)
+    steps = recs[-1]["step"] - recs[0]["step"]
+    return {
+        "train_s": sum(r["wall_s"] for r in recs),
+        "tokens_per_s": steps * 8 * 64 * 2 / wall,
+        "comm_share": sum(r["comm_s"] for r in steady) / wall,
+        "bytes_per_exchange": recs[-1]["bytes_sent"] / recs[-1]["round"],
+        "compute_per_step": sum(r["compute_s"] for r in steady) / steps,
+        "ckpt": ckpt,
+    }
+
+
+def held_out(path: Path) -> float:
+    ckpt = load_checkpoint(path)
+    return heldout_loss(ckpt.model, ckpt.params, heldout_batches(ckpt.model.seq))
+
+
+def projection(compute_step: float, rows: list[tuple[str, int, int]]) -> list[str]:
+    """Group speed-up over one machine for N machines on links of B MB/s (all-to-all)."""
+    out = ["| mode | link | N=2 | N=4 | N=8 | N=16 |", "|---|---:|---:|---:|---:|---:|"]
+    for label, h, nbytes in rows:
+        for mbps in (5, 25, 100):
+            cells = []
+            for n in (2, 4, 8, 16):
+                comm = (n - 1) * nbytes / (mbps * 1e6)  # each peer uploads to n-1 others
+                cells.append(f"{n * h * compute_step / (h * compute_step + comm):.1f}x")
+            out.append(f"| {label} | {mbps} MB/s | " + " | ".join(cells) + " |")
+    return out
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--quick", action="store_true")
+    args = ap.parse_args()
+    quick = args.quick
+    sim_steps, thr_steps, solo_steps = (16, 16, 32) if quick else (300, 64, 300)
+    with tempfile.TemporaryDirectory() as tmp_name:
+        tmp = Path(tmp_name)
+        solo = one_peer(solo_steps, tmp)
+        solo_loss = held_out(solo["ckpt"])
+        print(f"one peer: {solo['tokens_per_s']:,.0f} tok/s, held-out {solo_loss:.3f} "
+              f"after {solo_steps} steps in {solo['train_s']:.1f} s", flush=True)
+        real = []
+        for label, h, codec in MODES:
+            steps = max(thr_steps, 3 * h)  # at least three exchanges
+            if h == 1 and codec == "f32":
+                steps = min(steps, 24)  # about 1.5 s a step: enough to measure
+            r = two_peers(steps, h, codec, tmp, f"thr-{h}-{codec}")
+            r["label"], r["h"], r["codec"] = label, h, codec
+            real.append(r)
+            print(f"{label}: {r['tokens_per_s']:,.0f} tok/s "
+                  f"({r['tokens_per_s'] / solo['tokens_per_s']:.2f}x), comm "
+                  f"{r['comm_share']:.0%}", flush=True)
+        # The default mode, trained to one peer's 300-step held-out loss.
+        reach_steps = 16 if quick else 192
+        reach = two_peers(reach_steps, 32, "int8", tmp, "reach")
+        reach_loss = held_out(reach["ckpt"])
+        print(f"two peers default: held-out {reach_loss:.3f} after {reach_steps} steps each "
+              f"in {reach['train_s']:.1f} s", flush=True)
+    sims = {}
+    for label, h, codec in [("one peer", 1, "f32"), *MODES]:
+        peers = 1 if label == "one peer" else 2
+        steps = 2 * sim_steps if peers == 1 else sim_steps
+        sims[label] = simulate(peers, steps, h, codec, eval_every=max(steps // 6, 1))
+        print(f"sim {label}: held-out {sims[label].final:.3f}", flush=True)
+
+    solo_tps = solo["tokens_per_s"]
+    rows = ["| mode | group tok/s | vs one peer | comm share | payload bytes per peer per "
+            "1,000 trained tokens | vs lockstep f32 |", "|---|---:|---:|---:|---:|---:|"]
+    base_bpt = None
+    for r in real:
+        bpt = r["bytes_per_exchange"] / (r["h"] * 8 * 64) * 1000  # one link (N = 2)
+        base_bpt = base_bpt or bpt
+        rows.append(f"| {r['label']} | {r['tokens_per_s']:,.0f} | "
+                    f"{r['tokens_per_s'] / solo_tps:.2f}x | {r['comm_share']:.0%} | "
+                    f"{bpt:,.0f} | {base_bpt / bpt:.0f}x fewer |")
+    one = sims["one peer"]
+    sim_rows = ["| mode | held-out loss after 300 steps per peer (600 x 512 tokens in all) "
+                "| one peer reaches it after |", "|---|---:|---:|"]
+    sim_rows.append(f"| one peer, 600 steps | {one.final:.3f} | - |")
+    for label, _, _ in MODES:
+        s = sims[label]
+        reached = next((st for st, loss in one.curve if loss <= s.final), None)
+        sim_rows.append(f"| {label} | {s.final:.3f} | "
+                        + (f"{reached} steps" if reached else "> 600 steps") + " |")
+    one_at_300 = next((loss for st, loss in one.curve if st >= sim_steps), one.final)
+    sim_rows.append(f"| (one peer after 300 steps) | {one_at_300:.3f} | |")
+    compute_step = real[-1]["compute_per_step"]
+    proj = projection(compute_step, [
+        ("lockstep f32", 1, int(real[0]["bytes_per_exchange"])),
+        ("rounds H=32 int8", 32, int(real[-1]["bytes_per_exchange"]))])
+    ratio = reach["train_s"] / solo["train_s"]
+    md = "\n".join([
+        "## A group against one machine (bench.scaling)",
+        "",
+        f"Command: `python -m bench.scaling{' --quick' if quick else ''}`. Machine: {machine()}.",
+        "Each process pinned to its own core with `taskset`, `OPENBLAS_NUM_THREADS=1`; the "
+        "signaling server shares the cores; default model (1.3 M parameters), batch 8 x 64 "
+        "tokens per peer per step, aiortc data channels on 127.0.0.1. Rates leave out the "
+        "first exchange (link warm-up).",
+        "",
+        f"One peer alone (`daisyweb-demo --peers 1`, core 0): {solo_tps:,.0f} tokens/s.",
+        "",
+        *rows,
+        "",
+        f"**Time to one peer's 300-step held-out loss.** One peer: {solo_steps} steps, "
+        f"held-out {solo_loss:.3f}, {solo['train_s']:.1f} s of training. Two peers in the "
+        f"default mode: {reach_steps} steps each, held-out {reach_loss:.3f}, "
+        f"{reach['train_s']:.1f} s: **{ratio:.2f}x** one peer's time "
+        f"({'reached' if reach_loss <= solo_loss else 'NOT reached'}). Held-out: "
+        "`daisyweb-eval`'s 16 fixed batches of the last 5% of the built-in corpus.",
+        "",
+        "**Held-out loss at equal tokens** (in-process simulation with the product's "
+        "trainers, codecs and averaging; `bench/rounds_sim.py`; 8 fixed held-out batches):",
+        "",
+        *sim_rows,
+        "",
+        "**Projection, not a measurement**: group speed-up over one machine for N separate "
+        f"machines, from the measured compute time per step ({compute_step * 1000:.0f} ms, "
+        "one core) and the measured payload bytes per exchange, each peer uploading its "
+        "payload to the N - 1 others at the link rate (no overlap of compute and transfer, "
+        "no latency).",
+        "",
+        *proj,
+    ])
+    print(md)
+    if not quick:
+        write_section("scaling", md)
+
+
+if __name__ == "__main__":
+    main()
