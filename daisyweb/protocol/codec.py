@@ -49,6 +49,10 @@ class F32Codec:
             raise GradientError(f"{who}: expected {size} values, got {len(payload)} bytes")
         return check_gradient(np.frombuffer(payload, dtype="<f4").astype(np.float32), size, who)
 
+    def encoder(self, size: int) -> F32Codec:
+        """Lossless, so there is no error to feed back: the codec is its own encoder."""
+        return self
+
 
 # -- int8 -------------------------------------------------------------------------------
 
@@ -203,6 +207,10 @@ class ErrorFeedbackEncoder:
 
     def encode(self, vector: np.ndarray) -> bytes:
         return self.feedback.encode(self.codec, vector)
+
+    def decode(self, payload: bytes, size: int, who: str = "payload") -> np.ndarray:
+        """The codec's validating decode (stateless; the residual does not move)."""
+        return self.codec.decode(payload, size, who)
 
 
 F32 = F32Codec()

@@ -401,3 +401,33 @@ def test_same_bytes_with_numpy_held_to_its_baseline_instructions() -> None:
     old = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True,
                          check=True, env=env)
     assert old.stdout == here and len(here.strip()) == len(hashlib.sha256().hexdigest())
+
+
+def test_every_codec_has_an_encoder_that_is_itself_a_codec() -> None:
+    size = 2 * B + 3
+    v = _vec(size, seed=30)
+    assert F32.encoder(size).encode(v) == F32.encode(v)
+    enc = INT8.encoder(size)
+    payload = enc.encode(v)
+    residual = enc.feedback.residual.copy()
+    assert enc.decode(payload, size).tobytes() == INT8.decode(payload, size).tobytes()
+    assert enc.feedback.residual.tobytes() == residual.tobytes()  # decode leaves it alone
+    with pytest.raises(GradientError):
+        enc.decode(payload[:-1], size)
+
+
+def test_error_feedback_encoder_drives_a_step_machine_like_a_codec() -> None:
+    # StepMachine(codec=...) calls encode for its own gradient and decode for every payload
+    from daisyweb.protocol.codec import Codec
+
+    enc: Codec = INT8.encoder(B)
+    v = _vec(B, seed=31)
+    assert enc.decode(enc.encode(v), B).dtype == np.float32
+
+
+@pytest.mark.parametrize("delta", [-4, -1, 1, 4])
+def test_f32_decode_refuses_wrong_lengths(delta: int) -> None:
+    payload = F32.encode(_vec(10, seed=32))
+    payload = payload[:delta] if delta < 0 else payload + b"\0" * delta
+    with pytest.raises(GradientError, match="expected 10 values"):
+        F32.decode(payload, 10)
