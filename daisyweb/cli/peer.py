@@ -149,11 +149,21 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     return args
 
 
+def _use_uvloop() -> None:
+    """uvloop where it installs (not on Windows): the event loop carries every frame."""
+    try:
+        import uvloop
+    except ImportError:
+        return
+    asyncio.set_event_loop_policy(uvloop.EventLoopPolicy())
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     args = parse_args(argv)
     # Imported late so that flag errors are instant and never pay for numpy/aiortc.
     from daisyweb.peer import run
 
+    _use_uvloop()
     try:
         return asyncio.run(run.run_peer(run.options_from_args(args)))
     except run.PeerError as exc:
