@@ -8,6 +8,8 @@ tokens; ``heldout_loss`` averages ``daisyweb.model.loss_only`` over them in batc
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 import numpy as np
 
 from daisyweb.data import heldout_tokens
@@ -16,8 +18,8 @@ from daisyweb.model import ModelConfig, loss_only
 __all__ = ["DEFAULT_BATCHES", "DEFAULT_BATCH", "max_batches", "heldout_batches",
            "heldout_loss"]
 
-DEFAULT_BATCHES = 16
-"""Batches evaluated by default: 16 x 8 x 64 = 8,192 predicted tokens at the default seq 64."""
+DEFAULT_BATCHES = 8
+"""Batches evaluated by default: 8 x 8 x 64 = 4,096 predicted tokens at the default seq 64."""
 DEFAULT_BATCH = 8
 """Windows per batch. The mean over equal-sized batches does not depend on it."""
 
@@ -33,9 +35,10 @@ def max_batches(seq: int, batch: int = DEFAULT_BATCH, tokens: np.ndarray | None 
     return _tokens(tokens).size // (batch * (seq + 1))
 
 
-def heldout_batches(seq: int, batches: int = DEFAULT_BATCHES, batch: int = DEFAULT_BATCH,
-                    tokens: np.ndarray | None = None) -> np.ndarray:
-    """``[batches, batch, seq + 1]`` int32 windows spread evenly over the held-out tokens.
+def heldout_batches(seq: int, *, batches: int = DEFAULT_BATCHES, batch: int = DEFAULT_BATCH,
+                    tokens: np.ndarray | None = None) -> list[np.ndarray]:
+    """``batches`` int32 arrays of shape ``[batch, seq + 1]``: windows spread evenly over
+    the held-out tokens.
 
     Window ``k`` (``k = 0 .. batches * batch - 1``, batch-major) starts at
     ``k * (n - (seq + 1)) // (batches * batch - 1)`` of the ``n`` held-out tokens, so the
@@ -56,19 +59,23 @@ def heldout_batches(seq: int, batches: int = DEFAULT_BATCHES, batch: int = DEFAU
     span = toks.size - width
     starts = [k * span // (windows - 1) if windows > 1 else 0 for k in range(windows)]
     out = np.stack([toks[s : s + width] for s in starts]).astype(np.int32)
-    return out.reshape(batches, batch, width)
+    return list(out.reshape(batches, batch, width))
 
 
-def heldout_loss(model_config: ModelConfig, params: np.ndarray, batches: np.ndarray) -> float:
-    """Mean next-token cross-entropy of ``params`` over ``batches`` ([N, B, T+1]).
+def heldout_loss(model_config: ModelConfig, params: np.ndarray,
+                 batches: Sequence[np.ndarray]) -> float:
+    """Mean next-token cross-entropy of ``params`` over ``batches`` (each ``[B, T + 1]``).
 
     Each batch's mean comes from ``loss_only`` (the same int8 forward training uses); the
-    N means are added in batch order in binary64 and divided by N once.
+    N means are added as Python floats in list order and divided by N once.
     """
-    batches = np.asarray(batches)
-    if batches.ndim != 3 or batches.shape[0] < 1:
-        raise ValueError(f"batches must have shape [N >= 1, B, T + 1], got {batches.shape}")
+    batches = list(batches)
+    if not batches:
+        raise ValueError("batches must hold at least one batch")
+    for b in batches:
+        if np.ndim(b) != 2:
+            raise ValueError(f"each batch must have shape [B, T + 1], got {np.shape(b)}")
     total = 0.0
     for b in batches:
         total += float(loss_only(model_config, params, b))
-    return total / batches.shape[0]
+    return total / len(batches)
