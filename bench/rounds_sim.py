@@ -10,6 +10,7 @@ that benchmark checks the same numbers against real peers.
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -19,13 +20,9 @@ from daisyweb.model import ModelConfig
 from daisyweb.protocol.averaging import average_in_roster_order
 from daisyweb.protocol.codec import codec_by_name
 from daisyweb.training.config import RunConfig
+from daisyweb.training.evaluate import heldout_batches, heldout_loss
 from daisyweb.training.rounds import LockstepTrainer, RoundTrainer, round_count
 from daisyweb.training.state import TrainState
-
-try:  # the held-out split of the built-in corpus, once it ships
-    from daisyweb.data import heldout_tokens  # type: ignore[attr-defined]
-except ImportError:  # pragma: no cover - until then: the last 5% by tokens
-    heldout_tokens = None
 
 
 @dataclass
@@ -44,35 +41,20 @@ class SimResult:
         return self.curve[-1][1]
 
 
-def corpus() -> tuple[np.ndarray, np.ndarray]:
-    tokens = np.asarray(builtin_tokens())
-    if heldout_tokens is not None:
-        return tokens, np.asarray(heldout_tokens())
-    split = int(tokens.size * 0.95)
-    return tokens[:split], tokens[split:]
-
-
-def heldout_eval(run: RunConfig, held: np.ndarray, batches: int = 8):
-    from daisyweb.model import loss_only
-
-    sampler = BatchSampler(held, batch=run.batch, seq=run.model.seq, seed=12345,
-                           peer="held-out")
-    fixed = [sampler.sample(i) for i in range(1, batches + 1)]
-
-    def evaluate(params: np.ndarray) -> float:
-        return float(np.mean([loss_only(run.model, params, b) for b in fixed]))
-
-    return evaluate
+def heldout_eval(run: RunConfig) -> Callable[[np.ndarray], float]:
+    """``daisyweb-eval``'s held-out loss (its default fixed batches) of a parameter vector."""
+    fixed = heldout_batches(run.model.seq)
+    return lambda params: heldout_loss(run.model, params, fixed)
 
 
 def simulate(peers: int, steps: int, sync_every: int = 1, codec: str = "f32",
              outer_lr: float = 1.0, eval_every: int = 50, batch: int = 8,
              lr: float = 3e-3, seed: int = 0) -> SimResult:
     tok = default_tokenizer()
-    train, held = corpus()
+    train = np.asarray(builtin_tokens())  # the training part: the held-out 5% is not in it
     run = RunConfig(model=ModelConfig(vocab=tok.vocab_size), batch=batch, steps=steps,
                     lr=lr, seed=seed)
-    evaluate = heldout_eval(run, held)
+    evaluate = heldout_eval(run)
     names = [f"peer{i}" for i in range(peers)]
     samplers = {p: BatchSampler(train, batch=batch, seq=run.model.seq, seed=seed, peer=p)
                 for p in names}
@@ -81,9 +63,7 @@ def simulate(peers: int, steps: int, sync_every: int = 1, codec: str = "f32",
         state = TrainState.fresh(run)
         trainers[p] = (LockstepTrainer(state) if sync_every == 1
                        else RoundTrainer(state, sync_every, outer_lr))
-    encoders = {p: codec_by_name(codec).encoder(trainers[p].size)
-                if hasattr(codec_by_name(codec), "encoder") else codec_by_name(codec)
-                for p in names}
+    encoders = {p: codec_by_name(codec).encoder(trainers[p].size) for p in names}
     decoder = codec_by_name(codec)
     res = SimResult(peers, sync_every, codec, outer_lr, steps)
     lead = trainers[names[0]]

@@ -20,7 +20,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from daisyweb.data.corpus import builtin_text  # noqa: E402
+from daisyweb.data.corpus import full_corpus_text  # noqa: E402
 from daisyweb.data.tokenizer import Tokenizer, train_bpe  # noqa: E402
 
 OUT = ROOT / "daisyweb" / "data" / "tokenizer.json"
@@ -33,14 +33,14 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--out", type=Path, default=OUT)
     args = ap.parse_args(argv)
 
-    text = builtin_text()
+    text = full_corpus_text()
     if args.max_bytes:
         text = text.encode("utf-8")[: args.max_bytes].decode("utf-8", errors="ignore")
     t0 = time.perf_counter()
     merges = train_bpe(text, args.vocab)
     train_s = time.perf_counter() - t0
     tok = Tokenizer(merges)
-    corpus_sha = hashlib.sha256(builtin_text().encode("utf-8")).hexdigest()
+    corpus_sha = hashlib.sha256(full_corpus_text().encode("utf-8")).hexdigest()
     args.out.write_text(
         tok.to_json(trained_on="daisyweb/data/corpus.txt.gz", trained_bytes=len(text.encode()),
                     corpus_sha256=corpus_sha, special_tokens={}),
@@ -48,9 +48,9 @@ def main(argv: list[str] | None = None) -> int:
     )
     tok = Tokenizer.from_file(args.out)
     t0 = time.perf_counter()
-    ids = tok.encode(builtin_text())
+    ids = tok.encode(full_corpus_text())
     enc_s = time.perf_counter() - t0
-    nbytes = len(builtin_text().encode("utf-8"))
+    nbytes = len(full_corpus_text().encode("utf-8"))
     print(f"trained {len(merges)} merges on {len(text.encode())} bytes in {train_s:.1f} s")
     print(f"{args.out}: vocab_size {tok.vocab_size}, sha256 {tok.file_hash}")
     print(f"corpus: {nbytes} bytes -> {ids.size} tokens, {nbytes / ids.size:.2f} bytes/token, "

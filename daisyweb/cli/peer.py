@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import os
 import sys
 from collections.abc import Callable, Sequence
 from urllib.parse import urlsplit
@@ -150,7 +151,11 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
 
 
 def _use_uvloop() -> None:
-    """uvloop where it installs (not on Windows): the event loop carries every frame."""
+    """uvloop where it installs (not on Windows): the event loop carries every frame.
+    ``DAISYWEB_EVENT_LOOP=asyncio`` keeps asyncio's own loop (to compare, or to rule
+    uvloop out when something looks wrong)."""
+    if os.environ.get("DAISYWEB_EVENT_LOOP") == "asyncio":
+        return
     try:
         import uvloop
     except ImportError:
