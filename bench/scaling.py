@@ -31,7 +31,7 @@ from pathlib import Path
 from bench._results import machine, write_section
 from bench.rounds_sim import simulate
 from daisyweb.checkpoints.checkpoint import load_checkpoint
-from daisyweb.training.evaluate import heldout_batches, heldout_loss
+from daisyweb.training.evaluate import DEFAULT_BATCHES, heldout_batches, heldout_loss
 
 ROOT = Path(__file__).resolve().parent.parent
 ENV = dict(os.environ, OPENBLAS_NUM_THREADS="1", PYTHONUNBUFFERED="1")
@@ -219,10 +219,11 @@ def main() -> None:
         f"default mode: {reach_steps} steps each, held-out {reach_loss:.3f}, "
         f"{reach['train_s']:.1f} s: **{ratio:.2f}x** one peer's time "
         f"({'reached' if reach_loss <= solo_loss else 'NOT reached'}). Held-out: "
-        "`daisyweb-eval`'s 16 fixed batches of the last 5% of the built-in corpus.",
+        f"`daisyweb-eval`'s {DEFAULT_BATCHES} fixed batches of the last 5% of the built-in "
+        "corpus.",
         "",
         "**Held-out loss at equal tokens** (in-process simulation with the product's "
-        "trainers, codecs and averaging; `bench/rounds_sim.py`; 8 fixed held-out batches):",
+        "trainers, codecs and averaging; `bench/rounds_sim.py`; the same held-out batches):",
         "",
         *sim_rows,
         "",
