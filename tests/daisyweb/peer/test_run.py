@@ -260,7 +260,7 @@ def _opts(tmp: Path, server: str, name: str, **kw: object) -> run.PeerOptions:
                       progress=False)
     if kw.get("start"):
         base.update(model={"width": 16, "layers": 1, "heads": 2, "seq": 16}, batch=2,
-                    lr=0.01, seed=3)
+                    lr=0.01, seed=3, sync_every=1, codec="f32")  # lockstep
     base.update(kw)
     return run.PeerOptions(**base)
 
