@@ -166,12 +166,12 @@ def _use_uvloop() -> None:
 def main(argv: Sequence[str] | None = None) -> int:
     args = parse_args(argv)
     # Imported late so that flag errors are instant and never pay for numpy/aiortc.
-    from daisyweb.peer import run
+    from daisyweb.peer import PeerError, options_from_args, run_peer
 
     _use_uvloop()
     try:
-        return asyncio.run(run.run_peer(run.options_from_args(args)))
-    except run.PeerError as exc:
+        return asyncio.run(run_peer(options_from_args(args)))
+    except PeerError as exc:
         sys.stderr.write(f"{PROG}: {exc}\n")
         return exc.code
     except KeyboardInterrupt:

@@ -8,7 +8,7 @@ import sys
 import pytest
 
 from daisyweb.cli import peer
-from daisyweb.peer import run
+from daisyweb.peer import PeerError, TestHooks, approve, data_url, options_from_args
 
 S = ["--server", "http://127.0.0.1:9"]
 
@@ -56,10 +56,10 @@ def test_good_flags() -> None:
                          "stun:a", "--stun", "stun:b", "--ice-host", "127.0.0.1"])
     assert (a.width, a.heads, a.layers) == (16, 2, peer.DEFAULTS["layers"])
     assert a.stun == ["stun:a", "stun:b"] and a.ice_host == ["127.0.0.1"]
-    opts = run.options_from_args(a)
+    opts = options_from_args(a)
     assert opts.model == {"width": 16, "layers": peer.DEFAULTS["layers"], "heads": 2, "seq": 64}
     f = peer.parse_args([*S, "--room", "abcd", "--name", "x"])
-    assert not f.start and f.width is None and run.options_from_args(f).model is None
+    assert not f.start and f.width is None and options_from_args(f).model is None
 
 
 def test_bad_flag_from_the_command_line_has_no_traceback() -> None:
@@ -70,25 +70,25 @@ def test_bad_flag_from_the_command_line_has_no_traceback() -> None:
 
 
 def test_test_hooks_come_from_the_environment_only() -> None:
-    assert run.TestHooks.from_env({}) == run.TestHooks()
-    h = run.TestHooks.from_env({
+    assert TestHooks.from_env({}) == TestHooks()
+    h = TestHooks.from_env({
         "DAISYWEB_TEST_BREAK_KERNEL": "1", "DAISYWEB_TEST_DROP_GRADIENT": "3",
         "DAISYWEB_TEST_CORRUPT_GRADIENT": "2:nan", "DAISYWEB_TEST_FORK_AT": "4",
     })
     assert h.break_kernel and h.drop_gradient == 3
     assert h.corrupt_gradient == (2, "nan") and h.fork_at == 4
-    assert not run.TestHooks.from_env({"DAISYWEB_TEST_BREAK_KERNEL": "0"}).break_kernel
-    with pytest.raises(run.PeerError):
-        run.TestHooks.from_env({"DAISYWEB_TEST_CORRUPT_GRADIENT": "2:zero"})
-    with pytest.raises(run.PeerError):
-        run.TestHooks.from_env({"DAISYWEB_TEST_FORK_AT": "soon"})
+    assert not TestHooks.from_env({"DAISYWEB_TEST_BREAK_KERNEL": "0"}).break_kernel
+    with pytest.raises(PeerError):
+        TestHooks.from_env({"DAISYWEB_TEST_CORRUPT_GRADIENT": "2:zero"})
+    with pytest.raises(PeerError):
+        TestHooks.from_env({"DAISYWEB_TEST_FORK_AT": "soon"})
 
 
 def test_broken_kernel_switch_changes_the_probe() -> None:
     # In a child process: the switch replaces the live backend for the whole process.
     code = (
         "import kernels\n"
-        "from daisyweb.peer.run import break_kernel_for_tests\n"
+        "from daisyweb.peer.faults import break_kernel_for_tests\n"
         "good = kernels.probe_hash()\n"
         "break_kernel_for_tests()\n"
         "print(good != kernels.probe_hash(), kernels.active_backend())\n"
@@ -108,7 +108,7 @@ def test_broken_kernel_switch_changes_the_probe() -> None:
     ],
 )
 def test_data_url(server: str, url: str) -> None:
-    assert run.data_url(server) == url
+    assert data_url(server) == url
 
 
 @pytest.mark.parametrize("content", [None, b"not a checkpoint", b"PK\x03\x04" + b"\x00" * 64])
@@ -141,18 +141,16 @@ def test_approve_ask_prompts_per_waiting_peer(monkeypatch: pytest.MonkeyPatch) -
 
     monkeypatch.setattr(sys, "stdin", Tty())
     monkeypatch.setattr("builtins.input", fake_input)
-    opts = run.PeerOptions(server="http://127.0.0.1:9", approve="ask")
-    driver = run._Driver(opts, run.TestHooks(), None, None, None, None)
-    ask = driver._approve_callback()
+    ask = approve.approve_callback("ask", lambda: None)
+    assert ask is not None
 
     async def decide() -> list[bool]:
         return [await ask("id1", "alice"), await ask("id2", "bob"), await ask("id3", "")]
 
     assert asyncio.run(decide()) == [True, False, True]
     assert "alice" in prompts[0] and "bob" in prompts[1]
-    auto = run._Driver(run.PeerOptions(server="x", approve="auto"), run.TestHooks(), None,
-                       None, None, None)
-    assert auto._approve_callback() is None  # the mesh admits everyone with the code
+    # auto: the mesh admits everyone with the code
+    assert approve.approve_callback("auto", lambda: None) is None
 
 
 def test_save_into_a_missing_directory_is_refused_before_connecting(tmp_path) -> None:
@@ -175,10 +173,10 @@ def test_save_under_a_file_is_refused_before_connecting(tmp_path) -> None:
 
 
 def test_gradient_raises_switch_parses() -> None:
-    assert run.TestHooks.from_env({"DAISYWEB_TEST_GRADIENT_RAISES": "3"}).gradient_raises == 3
-    assert run.TestHooks.from_env({}).gradient_raises is None
-    with pytest.raises(run.PeerError) as exc:
-        run.TestHooks.from_env({"DAISYWEB_TEST_GRADIENT_RAISES": "soon"})
+    assert TestHooks.from_env({"DAISYWEB_TEST_GRADIENT_RAISES": "3"}).gradient_raises == 3
+    assert TestHooks.from_env({}).gradient_raises is None
+    with pytest.raises(PeerError) as exc:
+        TestHooks.from_env({"DAISYWEB_TEST_GRADIENT_RAISES": "soon"})
     assert exc.value.code == 2 and "DAISYWEB_TEST_GRADIENT_RAISES" in str(exc.value)
 
 

@@ -26,11 +26,11 @@ import pytest
 
 from daisyweb.checkpoints.checkpoint import Checkpoint, load_checkpoint
 from daisyweb.model import init_params
-from daisyweb.net import mesh
-from daisyweb.peer import run
+from daisyweb.net import MeshError, PeerDown, PeerUp, Received
+from daisyweb.peer import PeerError, PeerOptions, TestHooks, report, run_peer
 from daisyweb.protocol import framing, wire
+from daisyweb.training.config import RunConfig
 from daisyweb.training.replay import replay_hashes, replay_rounds
-from daisyweb.training.train import RunConfig
 
 ROOT = Path(__file__).resolve().parents[3]
 TINY = ["--width", "16", "--layers", "1", "--heads", "2", "--seq", "16", "--batch", "2",
@@ -198,7 +198,7 @@ def same_hashes(*peers: Peer) -> list[str]:
 
 
 # --------------------------------------------------------------- in-process driver
-# The same driver (run.run_peer) over an in-memory mesh with the Mesh interface: fast
+# The same driver (run_peer) over an in-memory mesh with the Mesh interface: fast
 # checks of the driver's wiring (handshake, metrics, checkpoints) without ICE.
 
 
@@ -210,7 +210,7 @@ class FakeHub:
 
 
 class FakeMesh:
-    fault_drop = None
+    drop_outgoing = None
 
     def __init__(self, hub: FakeHub, server: str, **kw: object) -> None:
         self.hub = hub
@@ -224,23 +224,23 @@ class FakeMesh:
     async def start(self) -> None:
         self.self_id = next(self.hub.ids)
         for other in self.hub.meshes.values():
-            other.events.put_nowait(mesh.PeerUp(self.self_id))
-            self.events.put_nowait(mesh.PeerUp(other.self_id))
+            other.events.put_nowait(PeerUp(self.self_id))
+            self.events.put_nowait(PeerUp(other.self_id))
         self.hub.meshes[self.self_id] = self
 
     async def next_event(self) -> object:
         return await self.events.get()
 
     async def send(self, peer: str, message: wire.Message) -> None:
-        if self.fault_drop is not None and self.fault_drop(peer, message):
+        if self.drop_outgoing is not None and self.drop_outgoing(peer, message):
             return
         target = self.hub.meshes.get(peer)
         if target is None:
-            raise mesh.MeshError(f"peer {peer} is not connected")
+            raise MeshError(f"peer {peer} is not connected")
         data = wire.encode(message)  # through the real codec and framing
         r = framing.Reassembler()
         out = [r.feed(f) for f in framing.frame(data, 1)][-1]
-        target.events.put_nowait(mesh.Received(self.self_id, wire.decode(out)))
+        target.events.put_nowait(Received(self.self_id, wire.decode(out)))
 
     async def report_status(self, **fields: object) -> None:
         self.status.append(fields)
@@ -251,10 +251,10 @@ class FakeMesh:
         self.closed = True
         self.hub.meshes.pop(self.self_id, None)
         for other in self.hub.meshes.values():
-            other.events.put_nowait(mesh.PeerDown(self.self_id, "closed"))
+            other.events.put_nowait(PeerDown(self.self_id, "closed"))
 
 
-def _opts(tmp: Path, server: str, name: str, **kw: object) -> run.PeerOptions:
+def _opts(tmp: Path, server: str, name: str, **kw: object) -> PeerOptions:
     base: dict = dict(server=server, name=name, approve="auto",
                       metrics=str(tmp / f"{name}.jsonl"), join_timeout=20.0,
                       progress=False)
@@ -262,7 +262,7 @@ def _opts(tmp: Path, server: str, name: str, **kw: object) -> run.PeerOptions:
         base.update(model={"width": 16, "layers": 1, "heads": 2, "seq": 16}, batch=2,
                     lr=0.01, seed=3, sync_every=1, codec="f32")  # lockstep
     base.update(kw)
-    return run.PeerOptions(**base)
+    return PeerOptions(**base)
 
 
 def _records(path: Path) -> list[dict]:
@@ -270,7 +270,7 @@ def _records(path: Path) -> list[dict]:
 
 
 async def _group(tmp: Path, server: str, n: int, steps: int,
-                 hooks: dict[str, run.TestHooks] | None = None,
+                 hooks: dict[str, TestHooks] | None = None,
                  save: dict[str, str] | None = None,
                  hub: FakeHub | None = None) -> list[int]:
     hub = hub if hub is not None else FakeHub()
@@ -284,10 +284,10 @@ async def _group(tmp: Path, server: str, n: int, steps: int,
             extra["save"] = save[name]
         await asyncio.sleep(0.05 * i)  # the leader first, like a room's host
         try:
-            return await run.run_peer(
-                _opts(tmp, server, name, **extra), hooks=hooks.get(name, run.TestHooks(
+            return await run_peer(
+                _opts(tmp, server, name, **extra), hooks=hooks.get(name, TestHooks(
                     dump_grads=str(tmp))), mesh_factory=lambda *a, **k: FakeMesh(hub, *a, **k))
-        except run.PeerError as exc:
+        except PeerError as exc:
             return exc.code
 
     return list(await asyncio.wait_for(asyncio.gather(*(one(i) for i in range(n))), 60))
@@ -315,7 +315,7 @@ def test_in_process_group_matches_replay(tmp_path: Path, server: str) -> None:
 
 
 def test_in_process_nan_halts_with_a_valid_checkpoint(tmp_path: Path, server: str) -> None:
-    bad = run.TestHooks(corrupt_gradient=(1, "nan"))
+    bad = TestHooks(corrupt_gradient=(1, "nan"))
     saves = {f"p{i}": str(tmp_path / f"p{i}.pt") for i in range(3)}
     codes = asyncio.run(_group(tmp_path, server, 3, 5, hooks={"p2": bad}, save=saves))
     assert codes[:2] == [1, 1]
@@ -586,7 +586,7 @@ def test_interrupt_ends_cleanly_with_a_checkpoint(group: Group) -> None:
 
 def test_in_process_gradient_exception_halts_the_group(tmp_path: Path, server: str,
                                                        capsys: pytest.CaptureFixture) -> None:
-    bad = run.TestHooks(dump_grads=str(tmp_path), gradient_raises=1)
+    bad = TestHooks(dump_grads=str(tmp_path), gradient_raises=1)
     saves = {f"p{i}": str(tmp_path / f"p{i}.pt") for i in range(3)}
     hub = FakeHub()
     codes = asyncio.run(_group(tmp_path, server, 3, 5, hooks={"p1": bad}, save=saves,
@@ -606,12 +606,10 @@ def test_in_process_gradient_exception_halts_the_group(tmp_path: Path, server: s
 def test_in_process_save_failures_warn_then_fail_the_end(
         tmp_path: Path, server: str, monkeypatch: pytest.MonkeyPatch,
         capsys: pytest.CaptureFixture) -> None:
-    import daisyweb.checkpoints.checkpoint as checkpoint
-
     out = tmp_path / "out"
     out.mkdir()
     save = out / "lead.pt"
-    real = checkpoint.save_checkpoint
+    real = report.save_checkpoint
     calls = [0]
 
     def save_then_vanish(path: object, ckpt: Checkpoint) -> None:
@@ -621,9 +619,9 @@ def test_in_process_save_failures_warn_then_fail_the_end(
             save.unlink()
             out.rmdir()
 
-    monkeypatch.setattr(checkpoint, "save_checkpoint", save_then_vanish)
+    monkeypatch.setattr(report, "save_checkpoint", save_then_vanish)
     opts = _opts(tmp_path, server, "lead", start=True, steps=3, save=str(save), save_every=1)
-    code = asyncio.run(run.run_peer(opts, hooks=run.TestHooks(),
+    code = asyncio.run(run_peer(opts, hooks=TestHooks(),
                                     mesh_factory=lambda *a, **k: FakeMesh(FakeHub(), *a, **k)))
     assert code == 1  # trained to the end, but the final checkpoint is lost
     rs = _records(tmp_path / "lead.jsonl")
@@ -699,7 +697,8 @@ def test_peers_of_another_protocol_version_are_refused(group: Group, who: str) -
     f = group.spawn("f", env=v999 if who == "follower" else None)
     assert f.wait() == 1, group.logs()
     assert lead.wait() == 0, group.logs()
-    lv, fv = (999, 1) if who == "leader" else (1, 999)
+    v = wire.PROTOCOL_VERSION
+    lv, fv = (999, v) if who == "leader" else (v, 999)
     flog, llog = f.log.read_text(), lead.log.read_text()
     want = (f"daisyweb-peer: refused the leader {lead.id()}: it speaks protocol version "
             f"{lv}, this peer speaks {fv}")
@@ -715,15 +714,15 @@ def test_peers_of_another_protocol_version_are_refused(group: Group, who: str) -
 
 
 def test_snapshot_and_version_switches_come_from_the_environment_only() -> None:
-    h = run.TestHooks.from_env({"DAISYWEB_TEST_CORRUPT_SNAPSHOT": "hash",
+    h = TestHooks.from_env({"DAISYWEB_TEST_CORRUPT_SNAPSHOT": "hash",
                                 "DAISYWEB_TEST_PROTOCOL_VERSION": "999"})
     assert (h.corrupt_snapshot, h.protocol_version) == ("hash", 999)
-    assert run.TestHooks.from_env({}).protocol_version is None
+    assert TestHooks.from_env({}).protocol_version is None
     for env in ({"DAISYWEB_TEST_CORRUPT_SNAPSHOT": "zero"},
                 {"DAISYWEB_TEST_PROTOCOL_VERSION": "-1"},
                 {"DAISYWEB_TEST_PROTOCOL_VERSION": str(1 << 32)}):
-        with pytest.raises(run.PeerError) as exc:
-            run.TestHooks.from_env(env)
+        with pytest.raises(PeerError) as exc:
+            TestHooks.from_env(env)
         assert exc.value.code == 2 and next(iter(env)) in str(exc.value)
 
 

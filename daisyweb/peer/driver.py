@@ -1,0 +1,373 @@
+"""The asyncio driver of one peer: Mesh events -> :class:`sync.StepMachine` -> actions.
+
+Everything the protocol decides lives in ``daisyweb.protocol.sync``; this module only moves
+bytes and time: it joins the mesh, runs the start handshake (``handshake``), runs each
+contribution in a worker thread (so heartbeats and messages keep flowing during a step),
+sends each peer's messages from its own ordered outbox (``daisyweb.net.outbox``: a slow
+peer never blocks the loop), feeds batches (``datafeed``) and hands every commit and the
+end to ``report``. Test faults reach it only through ``faults.Faults``.
+
+Queue items (``items``) are dataclasses, mesh events and errors are matched by type.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import signal
+import time
+from collections.abc import Callable, Iterable
+
+from daisyweb.checkpoints.checkpoint import TokenizerInfo, checkpoint_to_bytes
+from daisyweb.data import Tokenizer
+from daisyweb.net import (
+    BadMessage,
+    JoinDenied,
+    JoinTimeout,
+    Mesh,
+    MeshError,
+    PeerDown,
+    PeerUp,
+    Received,
+)
+from daisyweb.net.outbox import Outboxes
+from daisyweb.peer import handshake
+from daisyweb.peer.approve import approve_callback
+from daisyweb.peer.datafeed import DataFeed
+from daisyweb.peer.exchange import RecordingEncoder, Trainer, machine_steps, make_trainer, mode
+from daisyweb.peer.faults import Faults, Replica
+from daisyweb.peer.items import (
+    GradientFailed,
+    GradientReady,
+    Interrupt,
+    Item,
+    MeshItem,
+    Tick,
+    is_hello,
+)
+from daisyweb.peer.options import PeerError, PeerOptions, log
+from daisyweb.peer.report import Report
+from daisyweb.protocol import sync, wire
+from daisyweb.training.state import TrainState, probe_hash
+
+__all__ = ["TICK_S", "Driver", "MeshFactory"]
+
+TICK_S = 0.2
+
+MeshFactory = Callable[..., Mesh]
+
+
+class Driver:
+    """One peer's run from joining the mesh to its exit code."""
+
+    def __init__(self, opts: PeerOptions, faults: Faults, tok: Tokenizer,
+                 tokinfo: TokenizerInfo, state: TrainState | None,
+                 mesh_factory: MeshFactory | None) -> None:
+        self.mesh_factory = mesh_factory
+        self.opts = opts
+        self.faults = faults
+        self.version = faults.version
+        self.tok = tok
+        self.tokinfo = tokinfo
+        self.state = state
+        self.report = Report(opts, tokinfo)  # opens --metrics (OSError: run_peer says so)
+        self.replica: Replica | None = None
+        self.trainer: Trainer
+        self.encoder: RecordingEncoder
+        self.feed: DataFeed
+        self.machine: sync.StepMachine | None = None
+        self.mesh: Mesh
+        self.outboxes: Outboxes
+        self.queue: asyncio.Queue[Item] = asyncio.Queue()
+        # Peers whose Hello arrived on the current link: the leader offers a snapshot
+        # only after it, so a peer of another version is refused before it gets one.
+        self.hello_from: set[str] = set()
+        self.tasks: list[asyncio.Task[None]] = []
+        self.result: tuple[int, str] | None = None
+
+    # ------------------------------------------------------------------ setup
+    def _make_mesh(self) -> Mesh:
+        factory = Mesh if self.mesh_factory is None else self.mesh_factory
+        return factory(
+            self.opts.server, room=self.opts.room, name=self.opts.name or "peer",
+            approve=approve_callback(self.opts.approve, self._host_link),
+            ice_hosts=self.opts.ice_hosts or None,
+            stun=list(self.opts.stun), join_timeout=self.opts.join_timeout,
+            heartbeat_interval=self.opts.heartbeat_interval,
+            heartbeat_timeout=self.opts.heartbeat_timeout,
+        )
+
+    def _host_link(self) -> str | None:
+        # A test mesh may have no dashboard (and no host_link) at all.
+        mesh = getattr(self, "mesh", None)
+        link: str | None = getattr(mesh, "host_link", lambda: None)()
+        return link
+
+    async def main(self) -> int:
+        self.mesh = self._make_mesh()
+        self.outboxes = Outboxes(self.mesh.send, log)
+        drop = self.faults.drop_outgoing()
+        if drop is not None:
+            self.mesh.drop_outgoing = drop
+        try:
+            try:
+                await self.mesh.start()
+            # Checked first, as a JoinTimeout may well be an OSError too.
+            except JoinTimeout as exc:
+                raise PeerError(3, f"{exc}") from None
+            except JoinDenied as exc:
+                raise PeerError(3, f"the host denied this peer: {exc}") from None
+            except (MeshError, OSError) as exc:
+                raise PeerError(3, f"cannot join: {exc}") from None
+            log(f"joined as {self.mesh.self_id}"
+                + (f" in room {self.opts.room}" if self.opts.room else ""))
+            self.tasks.append(asyncio.create_task(self._pump_mesh()))
+            self.tasks.append(asyncio.create_task(self._ticker()))
+            self.tasks.append(asyncio.create_task(self._announce_host_link()))
+            if self.opts.start:
+                await self._start_leader()
+            else:
+                await self._start_follower()
+            loop = asyncio.get_running_loop()
+            # From here on an interrupt ends the run cleanly: end record, checkpoint.
+            for sig in (signal.SIGINT, signal.SIGTERM):
+                with contextlib.suppress(NotImplementedError, RuntimeError):
+                    loop.add_signal_handler(sig, self.queue.put_nowait, Interrupt())
+            await self._loop()
+            code = await self._finish()
+            await self.outboxes.drain()
+            return code
+        finally:
+            pending = self.tasks + self.outboxes.tasks()
+            for t in pending:
+                t.cancel()
+            for t in pending:
+                with contextlib.suppress(BaseException):
+                    await t
+            with contextlib.suppress(Exception):
+                await self.mesh.close()
+            self.report.close()
+
+    async def _pump_mesh(self) -> None:
+        while True:
+            ev = await self.mesh.next_event()
+            await self.queue.put(MeshItem(ev))
+
+    async def _announce_host_link(self) -> None:
+        """Print the dashboard approval link whenever this peer gets (new) hosting."""
+        shown = None
+        while True:
+            link = self._host_link()
+            if link is not None and link != shown:
+                shown = link
+                log(f"hosting this room; dashboard with Accept/Deny (keep it private): {link}")
+            await asyncio.sleep(0.5)
+
+    async def _ticker(self) -> None:
+        while True:
+            await asyncio.sleep(TICK_S)
+            await self.queue.put(Tick())
+
+    # ------------------------------------------------------------------ start
+    def _machine(self, leader: str) -> sync.StepMachine:
+        assert self.state is not None and self.replica is not None
+        self.machine = sync.StepMachine(
+            self.mesh.self_id, self.replica, machine_steps(self.state.run), probe_hash,
+            leader=leader, repair_after=self.opts.repair_after,
+            join_timeout=self.opts.join_timeout, version=self.version, codec=self.encoder)
+        self.faults.machine = self.machine
+        return self.machine
+
+    async def _start_leader(self) -> None:
+        assert self.state is not None
+        run = self.state.run
+        self._make_replica(self.state)
+        self._make_feed()
+        ups, held = await handshake.wait_for_peers(
+            self.queue, self._peer_connected, self.hello_from, self.opts.wait_peers,
+            self.opts.join_timeout)
+        machine = self._machine(self.mesh.self_id)
+        log(f"leading: {self.state.size:,} parameters, {run.steps} steps, "
+            f"from step {self.state.step}, {mode(run)}")
+        self.report.begin(self.state)
+        # Hellos first: a peer of another version is excluded before it is offered a
+        # snapshot or a place in the first roster.
+        for item in held:
+            if is_hello(item):
+                await self._handle(item)
+        now = time.monotonic()
+        for p in ups:
+            if p in self.hello_from:  # the others are announced when their Hello comes
+                await self._do(machine.peer_up(p, now))
+        await self._do(machine.start(now))
+        for item in held:
+            if not is_hello(item):
+                await self._handle(item)
+
+    async def _start_follower(self) -> None:
+        start = await handshake.await_snapshot(
+            self.queue, self._peer_connected, self._peer_gone, self.version, self.tokinfo,
+            self.opts.join_timeout)
+        self.state = state = start.state
+        try:
+            self._make_replica(state)
+        except ValueError as exc:
+            raise PeerError(1, f"refused the snapshot from {start.leader}: {exc}") from None
+        self._make_feed()
+        machine = self._machine(start.leader)
+        log(f"following {start.leader}: {state.size:,} parameters, from step {state.step} "
+            f"of {start.run.steps} (snapshot {start.weight_hash[:16]} verified)")
+        self.report.begin(state)
+        await self._do(machine.start(time.monotonic()))
+        for item in start.held:
+            await self._handle(item)
+
+    def _make_replica(self, state: TrainState) -> None:
+        self.trainer = make_trainer(state)
+        self.replica = Replica(self.trainer, self.faults)
+        self.encoder = RecordingEncoder(state.run.codec, state.size)
+
+    def _make_feed(self) -> None:
+        assert self.state is not None
+        self.feed = DataFeed(self.tok, self.state.run, self.mesh.self_id, self.opts.server)
+        self.tasks.extend(self.feed.start())
+
+    def _shared_hash(self) -> str:
+        if self.replica is not None:
+            return self.replica.weight_hash()
+        assert self.state is not None
+        return self.state.weight_hash()
+
+    # ------------------------------------------------------------------ links
+    def _peer_connected(self, peer: str) -> None:
+        # The Hello goes out first on a new link, ahead of anything held for it.
+        self.outboxes.up(peer, wire.Hello(self.mesh.self_id, self.version))
+
+    def _peer_gone(self, peer: str) -> None:
+        self.hello_from.discard(peer)  # a new link starts with a new Hello
+        self.outboxes.down(peer)
+
+    def _send(self, to: tuple[str, ...] | None, msg: wire.Message) -> None:
+        self.outboxes.put(to, self.faults.outgoing(msg))
+
+    # ------------------------------------------------------------------ loop
+    async def _loop(self) -> None:
+        while self.result is None:
+            await self._handle(await self.queue.get())
+
+    async def _handle(self, item: Item) -> None:
+        m = self.machine
+        if m is None or self.result is not None:
+            return
+        now = time.monotonic()
+        if isinstance(item, Interrupt):
+            log(f"interrupted at step {m.boundary}")
+            self.result = (130, "interrupted")
+        elif isinstance(item, Tick):
+            await self._do(m.tick(now))
+        elif isinstance(item, GradientReady):
+            await self._gradient_ready(m, item, now)
+        elif isinstance(item, GradientFailed):
+            if m.done or item.step != m.boundary:
+                return  # stale: the step was rolled forward while this one computed
+            exc = item.error
+            reason = (f"gradient computation failed on {m.self_id} at step {item.step}: "
+                      f"{type(exc).__name__}: {exc}")
+            await self._do(m.halt(item.step, reason))
+        elif isinstance(item, MeshItem):
+            await self._mesh_event(m, item, now)
+
+    async def _gradient_ready(self, m: sync.StepMachine, item: GradientReady,
+                              now: float) -> None:
+        step, contribution = item.step, item.contribution
+        self.report.gradient_ready(step, item.secs, now)
+        self.trainer.stage(contribution)
+        self.encoder.last_payload = b""
+        actions = m.local_gradient(step, contribution.loss, contribution.vector, now)
+        if self.faults.dumps and self.encoder.last_payload:
+            # What every member decodes from our bytes: the replay oracle's input.
+            self.faults.dump(m.self_id, step,
+                             self.encoder.decode(self.encoder.last_payload, m.replica.size))
+        await self._do(actions)
+
+    async def _mesh_event(self, m: sync.StepMachine, item: MeshItem, now: float) -> None:
+        ev = item.event
+        if isinstance(ev, Received):
+            msg = ev.message
+            if isinstance(msg, (wire.Config, wire.Snapshot, wire.Heartbeat)):
+                return  # start handshake messages after the start: nothing to do
+            await self._do(m.message(ev.peer, msg, now))
+            if isinstance(msg, wire.Hello) and msg.peer_id == ev.peer:
+                self.hello_from.add(ev.peer)
+                if ev.peer in self.outboxes.connected:  # no-op unless leading (or excluded)
+                    await self._do(m.peer_up(ev.peer, now))
+        elif isinstance(ev, PeerUp):
+            self._peer_connected(ev.peer)
+            if ev.peer in self.hello_from:
+                await self._do(m.peer_up(ev.peer, now))
+        elif isinstance(ev, PeerDown):
+            self._peer_gone(ev.peer)
+            log(f"peer {ev.peer} down ({ev.reason})")
+            was_leader = m.is_leader
+            await self._do(m.peer_down(ev.peer, now))
+            if m.is_leader and not was_leader:
+                log(f"leading now from step {m.boundary} (the leader was lost)")
+                # Peers still waiting for a snapshot were announced to the old leader.
+                for p in list(self.outboxes.connected):
+                    if p in self.hello_from:
+                        await self._do(m.peer_up(p, now))
+        elif isinstance(ev, BadMessage):
+            log(f"refused a message from {ev.peer}: {ev.error}")
+
+    async def _do(self, actions: Iterable[sync.Action]) -> None:
+        for a in actions:
+            if isinstance(a, sync.Send):
+                self._send(a.to, a.message)
+            elif isinstance(a, sync.Compute):
+                self.report.computing(a.step)
+                self.tasks.append(asyncio.create_task(self._compute(a.step)))
+            elif isinstance(a, sync.Commit):
+                assert self.state is not None and self.machine is not None
+                await self.report.commit(a, self.trainer, self.state, self.encoder,
+                                         self.machine.total_steps, self.mesh)
+            elif isinstance(a, sync.SendSnapshot):
+                self._send_snapshot(a.peer, a.step)
+            elif isinstance(a, sync.Excluded):
+                log(f"excluded {a.peer}: {a.reason}")
+            elif isinstance(a, sync.Finish):
+                self.result = (0, "done")
+            elif isinstance(a, sync.Stopped):
+                log(f"halted at step {a.step}: {a.reason}")
+                self.result = (1, a.reason)
+        self.tasks = [t for t in self.tasks if not t.done()]
+
+    async def _compute(self, step: int) -> None:
+        if self.faults.step_delay:
+            await asyncio.sleep(self.faults.step_delay)
+        loop = asyncio.get_running_loop()
+        t0 = time.perf_counter()
+        try:
+            contribute = self.faults.contribution(step, self.trainer.contribute)
+            contribution = await loop.run_in_executor(None, contribute, step, self.feed.batch)
+        except Exception as exc:
+            # Any failure here (a kernel refusing a NaN activation, a bug) must halt the
+            # group: a peer that silently never sends its gradient stalls everyone.
+            await self.queue.put(GradientFailed(step, exc))
+            return
+        await self.queue.put(GradientReady(step, contribution, time.perf_counter() - t0))
+
+    def _send_snapshot(self, peer: str, step: int) -> None:
+        assert self.state is not None
+        if self.trainer.step != step:  # cannot happen: the machine asks at its boundary
+            log(f"not sending a snapshot of step {step} from step {self.trainer.step}")
+            return
+        payload = checkpoint_to_bytes(self.state.checkpoint(self.tokinfo))
+        payload, announced = self.faults.snapshot(payload, self.state.weight_hash())
+        self._send((peer,), self.state.run.to_wire())
+        self._send((peer,), wire.Snapshot(step, announced, payload))
+        log(f"sent snapshot of step {step} ({len(payload):,} bytes) to {peer}")
+
+    async def _finish(self) -> int:
+        assert self.result is not None and self.state is not None
+        return await self.report.finish(self.result, self.state, self._shared_hash(),
+                                        self.mesh)

@@ -1,0 +1,56 @@
+"""How this run exchanges contributions: the trainer (lockstep or rounds of local steps),
+the codec with its error feedback, and the mode as users see it."""
+
+from __future__ import annotations
+
+import numpy as np
+
+from daisyweb.protocol.codec import codec_by_name
+from daisyweb.training.config import RunConfig
+from daisyweb.training.rounds import LockstepTrainer, RoundTrainer, round_count
+from daisyweb.training.state import TrainState
+
+__all__ = ["RecordingEncoder", "Trainer", "machine_steps", "make_trainer", "mode"]
+
+Trainer = LockstepTrainer | RoundTrainer
+
+
+def make_trainer(state: TrainState) -> Trainer:
+    """Lockstep for ``sync_every == 1``, rounds of local steps otherwise."""
+    run = state.run
+    if run.sync_every == 1:
+        return LockstepTrainer(state)
+    return RoundTrainer(state, run.sync_every, run.outer_lr)
+
+
+class RecordingEncoder:
+    """The run's codec with error feedback; remembers the last payload it produced, so
+    the replay-oracle dump (a test switch) can store what the wire really carried."""
+
+    def __init__(self, name: str, size: int) -> None:
+        codec = codec_by_name(name)
+        self.name = codec.name
+        self._codec = codec
+        self._encoder = codec.encoder(size) if hasattr(codec, "encoder") else codec
+        self.last_payload = b""
+        self.bytes_sent = 0  # payload bytes of this member's own contributions so far
+
+    def encode(self, vector: np.ndarray) -> bytes:
+        self.last_payload = self._encoder.encode(vector)
+        self.bytes_sent += len(self.last_payload)
+        return self.last_payload
+
+    def decode(self, payload: bytes, size: int, who: str = "payload") -> np.ndarray:
+        return self._codec.decode(payload, size, who)
+
+
+def mode(run: RunConfig) -> str:
+    """The exchange mode as shown to users: ``lockstep f32`` or ``rounds H=32 int8``."""
+    if run.sync_every == 1:
+        return f"lockstep {run.codec}"
+    return f"rounds H={run.sync_every} {run.codec}"
+
+
+def machine_steps(run: RunConfig) -> int:
+    """What the step machine counts to: steps in lockstep, rounds otherwise."""
+    return run.steps if run.sync_every == 1 else round_count(run.steps, run.sync_every)

@@ -1,0 +1,196 @@
+"""The start handshake: the leader's starting state and its wait for ``--wait-peers``;
+a follower's wait for ``Config`` + ``Snapshot`` and their validation.
+
+The leader (``--start``) sends ``Config`` then ``Snapshot`` (checkpoint bytes of the
+current boundary) to each peer that connects; a follower validates both -- the config by
+the wire decoder and ``RunConfig``, the snapshot with the checkpoint rules (model,
+tokenizer) and against the snapshot's weight hash -- before its state machine starts.
+Mid-run joins use the same path at a step boundary.
+
+Version handshake: the first message to every newly connected peer is
+``Hello(self, version)``. A follower refuses a leader of another version (one line, exit
+1); the leader excludes a follower of another version (``sync.StepMachine``).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections import deque
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+from daisyweb.checkpoints.checkpoint import (
+    CheckpointError,
+    TokenizerInfo,
+    checkpoint_from_bytes,
+    load_checkpoint,
+)
+from daisyweb.data import Tokenizer, default_tokenizer
+from daisyweb.net import PeerDown, PeerUp, Received
+from daisyweb.peer.exchange import make_trainer
+from daisyweb.peer.items import Item, MeshItem
+from daisyweb.peer.options import PeerError, PeerOptions, log
+from daisyweb.protocol import wire
+from daisyweb.training.config import RunConfig, run_config
+from daisyweb.training.rounds import round_count
+from daisyweb.training.state import TrainState
+
+__all__ = ["BUFFER_BEFORE_START", "FollowerStart", "await_snapshot", "leader_state",
+           "tokenizer_info", "wait_for_peers"]
+
+BUFFER_BEFORE_START = 512  # messages kept while a follower waits for its snapshot
+
+
+def tokenizer_info() -> tuple[Tokenizer, TokenizerInfo]:
+    tok = default_tokenizer()
+    return tok, TokenizerInfo(tok.vocab_size, tok.file_hash)
+
+
+def leader_state(opts: PeerOptions, tokinfo: TokenizerInfo) -> TrainState:
+    """The leader's starting TrainState: fresh from flags or resumed from --resume."""
+    if opts.resume:
+        if not Path(opts.resume).is_file():
+            raise PeerError(2, f"--resume: no such file {opts.resume}")
+        try:
+            ckpt = load_checkpoint(opts.resume, expect_tokenizer=tokinfo)
+            run = RunConfig.from_checkpoint(ckpt)
+            state = TrainState.from_checkpoint(ckpt, run)
+        except (CheckpointError, ValueError, OSError) as exc:
+            raise PeerError(2, f"--resume {opts.resume}: {exc}") from None
+        given: dict[str, object] = dict(opts.model or {})
+        for k in ("batch", "steps", "lr", "seed", "sync_every", "codec", "outer_lr"):
+            if getattr(opts, k) is not None:
+                given[k] = getattr(opts, k)
+        have = {**ckpt.model.to_dict(), **run.to_dict()}
+        conflicts = [f"--{k} {v} (file: {have[k]})" for k, v in given.items()
+                     if k in have and have[k] != v]
+        if conflicts:
+            log("the checkpoint's config wins over " + ", ".join(conflicts))
+        if state.step >= run.steps:
+            raise PeerError(2, f"--resume {opts.resume}: already at step {state.step} "
+                               f"of {run.steps}")
+        try:
+            make_trainer(state)
+        except ValueError as exc:
+            raise PeerError(2, f"--resume {opts.resume}: {exc}") from None
+        return state
+    m = opts.model or {}
+    try:
+        run = run_config(tokinfo.vocab_size, **m, batch=opts.batch, steps=opts.steps,
+                         lr=opts.lr, seed=opts.seed, data="server",
+                         sync_every=opts.sync_every, codec=opts.codec, outer_lr=opts.outer_lr)
+    except (TypeError, ValueError) as exc:
+        raise PeerError(2, f"bad run config: {exc}") from None
+    return TrainState.fresh(run)
+
+
+async def wait_for_peers(queue: asyncio.Queue[Item], on_up: Callable[[str], None],
+                         hello_from: set[str], wait_peers: int,
+                         join_timeout: float) -> tuple[list[str], list[Item]]:
+    """Wait until ``wait_peers`` peers (this one included) are up and said Hello.
+
+    Returns the peers whose links came up and every other item that arrived meanwhile,
+    in order, for the driver to handle once its state machine exists.
+    """
+    deadline = time.monotonic() + join_timeout
+    ups: list[str] = []
+    held: list[Item] = []
+    # A peer counts once its link is up and its Hello arrived (a peer of another
+    # version counts too: it is excluded as soon as the machine starts).
+    while len(ready := [p for p in ups if p in hello_from]) + 1 < wait_peers:
+        left = deadline - time.monotonic()
+        if left <= 0:
+            raise PeerError(3, f"only {len(ready) + 1} of {wait_peers} peers "
+                               f"joined within {join_timeout:g} s")
+        try:
+            item = await asyncio.wait_for(queue.get(), left)
+        except TimeoutError:
+            continue
+        if isinstance(item, MeshItem):
+            ev = item.event
+            if isinstance(ev, PeerUp):
+                on_up(ev.peer)
+                ups.append(ev.peer)
+                continue
+            if isinstance(ev, PeerDown) and ev.peer in ups:
+                ups.remove(ev.peer)
+                hello_from.discard(ev.peer)
+            if (isinstance(ev, Received) and isinstance(ev.message, wire.Hello)
+                    and ev.message.peer_id == ev.peer):
+                hello_from.add(ev.peer)
+        held.append(item)
+    return ups, held
+
+
+@dataclass
+class FollowerStart:
+    """What a follower starts from: the leader's validated config and snapshot."""
+
+    leader: str
+    run: RunConfig
+    state: TrainState
+    weight_hash: str  # the snapshot's announced (and verified) weight hash
+    held: deque[Item]  # everything else that arrived meanwhile, in order
+
+
+async def await_snapshot(queue: asyncio.Queue[Item], on_up: Callable[[str], None],
+                         on_down: Callable[[str], None], version: int,
+                         tokinfo: TokenizerInfo, join_timeout: float) -> FollowerStart:
+    """Wait for Config + Snapshot from a leader; buffer everything else meanwhile."""
+    deadline = time.monotonic() + join_timeout
+    held: deque[Item] = deque(maxlen=BUFFER_BEFORE_START)
+    configs: dict[str, wire.Config] = {}
+    versions: dict[str, int] = {}  # peers whose Hello announced another version
+    while True:
+        left = deadline - time.monotonic()
+        if left <= 0:
+            raise PeerError(3, f"no leader sent a run within {join_timeout:g} s "
+                               "(start one peer with --start)")
+        try:
+            item = await asyncio.wait_for(queue.get(), left)
+        except TimeoutError:
+            continue
+        if not isinstance(item, MeshItem):
+            continue
+        ev = item.event
+        if isinstance(ev, PeerUp):
+            on_up(ev.peer)
+            continue
+        if isinstance(ev, PeerDown):
+            on_down(ev.peer)
+            configs.pop(ev.peer, None)
+            continue
+        if not isinstance(ev, Received):
+            continue
+        msg = ev.message
+        if isinstance(msg, wire.Hello):
+            if msg.peer_id == ev.peer and msg.version != version:
+                versions[ev.peer] = msg.version
+            held.append(item)  # the state machine refuses a non-leader one later
+            continue
+        if ev.peer in versions and isinstance(msg, (wire.Config, wire.Snapshot, wire.Halt)):
+            # Only a leader sends these (a Halt: it excluded us for our version).
+            raise PeerError(1, f"refused the leader {ev.peer}: it speaks protocol "
+                               f"version {versions[ev.peer]}, this peer speaks "
+                               f"{version}")
+        if isinstance(msg, wire.Config):
+            configs[ev.peer] = msg
+            continue
+        if not isinstance(msg, wire.Snapshot) or ev.peer not in configs:
+            held.append(item)
+            continue
+        try:
+            run = RunConfig.from_wire(configs[ev.peer])
+            ckpt = checkpoint_from_bytes(msg.payload, expect_model=run.model,
+                                         expect_tokenizer=tokinfo)
+            state = TrainState.from_checkpoint(ckpt, run)
+        except (CheckpointError, ValueError, wire.WireError) as exc:
+            raise PeerError(1, f"refused the snapshot from {ev.peer}: {exc}") from None
+        boundary = state.step if run.sync_every == 1 else round_count(
+            state.step, run.sync_every)
+        if boundary != msg.step or state.weight_hash() != msg.weight_hash:
+            raise PeerError(1, f"refused the snapshot from {ev.peer}: its weight hash or "
+                               "step does not match what it announced")
+        return FollowerStart(ev.peer, run, state, msg.weight_hash, held)

@@ -1,0 +1,55 @@
+"""What the driver's queue carries: one dataclass per kind of item, dispatched by type."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from daisyweb.net import MeshEvent, Received
+from daisyweb.protocol import wire
+from daisyweb.training.rounds import Contribution
+
+__all__ = ["GradientFailed", "GradientReady", "Interrupt", "Item", "MeshItem", "Tick",
+           "is_hello"]
+
+
+@dataclass(frozen=True)
+class GradientReady:
+    """The worker computed our contribution of ``step`` in ``secs`` seconds."""
+
+    step: int
+    contribution: Contribution
+    secs: float
+
+
+@dataclass(frozen=True)
+class GradientFailed:
+    """The worker's computation of ``step`` raised ``error``."""
+
+    step: int
+    error: Exception
+
+
+@dataclass(frozen=True)
+class Tick:
+    """Time passed (timeouts, heartbeat-driven repair)."""
+
+
+@dataclass(frozen=True)
+class Interrupt:
+    """SIGINT or SIGTERM: end the run cleanly."""
+
+
+@dataclass(frozen=True)
+class MeshItem:
+    """One event from the mesh."""
+
+    event: MeshEvent
+
+
+Item = GradientReady | GradientFailed | Tick | Interrupt | MeshItem
+
+
+def is_hello(item: Item) -> bool:
+    """Whether ``item`` is a Hello received from a peer."""
+    return (isinstance(item, MeshItem) and isinstance(item.event, Received)
+            and isinstance(item.event.message, wire.Hello))

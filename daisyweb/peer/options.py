@@ -1,0 +1,75 @@
+"""What one peer is asked to do: :class:`PeerOptions` from the command line, the one-line
+failure :class:`PeerError`, the ``/data`` URL and the peer's stderr log line."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from dataclasses import dataclass, field
+from urllib.parse import urlsplit, urlunsplit
+
+__all__ = ["PeerError", "PeerOptions", "data_url", "log", "options_from_args"]
+
+
+class PeerError(Exception):
+    """A clear one-line failure with the process exit code to use."""
+
+    def __init__(self, code: int, message: str) -> None:
+        super().__init__(message)
+        self.code = code
+
+
+@dataclass
+class PeerOptions:
+    server: str
+    room: str | None = None
+    name: str | None = None
+    approve: str = "ask"
+    start: bool = False
+    model: dict[str, int] | None = None  # width/layers/heads/seq given on the command line
+    batch: int | None = None
+    steps: int | None = None
+    lr: float | None = None
+    seed: int | None = None
+    sync_every: int | None = None
+    codec: str | None = None
+    outer_lr: float | None = None
+    resume: str | None = None
+    save: str | None = None
+    save_every: int = 0
+    metrics: str | None = None
+    join_timeout: float = 60.0
+    stun: list[str] = field(default_factory=list)
+    ice_hosts: list[str] = field(default_factory=list)
+    wait_peers: int = 1
+    heartbeat_interval: float = 1.0
+    heartbeat_timeout: float = 5.0
+    repair_after: float = 2.0
+    progress: bool = True
+
+
+def options_from_args(args: argparse.Namespace) -> PeerOptions:
+    model = None
+    if args.start:
+        model = {k: getattr(args, k) for k in ("width", "layers", "heads", "seq")
+                 if getattr(args, k) is not None}
+    return PeerOptions(
+        server=args.server, room=args.room, name=args.name, approve=args.approve,
+        start=args.start, model=model, batch=args.batch, steps=args.steps, lr=args.lr,
+        seed=args.seed, sync_every=args.sync_every, codec=args.codec, outer_lr=args.outer_lr,
+        resume=args.resume, save=args.save, save_every=args.save_every,
+        metrics=args.metrics, join_timeout=args.join_timeout, stun=list(args.stun),
+        ice_hosts=list(args.ice_host), wait_peers=args.wait_peers,
+    )
+
+
+def data_url(server: str) -> str:
+    """The server's ``/data`` URL (http or https) from the signaling URL the user gave."""
+    u = urlsplit(server)
+    scheme = {"ws": "http", "wss": "https"}.get(u.scheme, u.scheme)
+    return urlunsplit((scheme, u.netloc, "/data", "", ""))
+
+
+def log(msg: str) -> None:
+    """One line on stderr, prefixed like every line the peer prints."""
+    print(f"daisyweb-peer: {msg}", file=sys.stderr, flush=True)

@@ -1,0 +1,157 @@
+"""Commit bookkeeping and the final report: metrics records, progress, periodic and
+final saves, and the dashboard status line.
+
+A commit is one step in lockstep and one round of local steps otherwise; progress,
+metrics and saves count optimizer steps either way.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+import sys
+import time
+from collections.abc import Awaitable
+from typing import Any, Protocol
+
+from daisyweb.checkpoints.checkpoint import CheckpointError, TokenizerInfo, save_checkpoint
+from daisyweb.peer.exchange import RecordingEncoder, Trainer, mode
+from daisyweb.peer.options import PeerOptions, log
+from daisyweb.protocol import sync
+from daisyweb.training.metrics import MetricsWriter, Progress, kernel_line, kernel_report
+from daisyweb.training.state import TrainState
+
+__all__ = ["Report", "StatusSink"]
+
+
+class StatusSink(Protocol):
+    """Where the dashboard status goes (the mesh)."""
+
+    def report_status(self, **fields: object) -> Awaitable[None]: ...
+
+
+class Report:
+    """What this peer writes about its run, from the first commit to the end record."""
+
+    def __init__(self, opts: PeerOptions, tokinfo: TokenizerInfo) -> None:
+        self.opts = opts
+        self.tokinfo = tokinfo
+        self.metrics = MetricsWriter(opts.metrics)  # OSError: the caller names --metrics
+        self.progress: Progress | None = None
+        self.last_loss = 0.0
+        self.last_peers = 1
+        self.last_extra: dict[str, float | str] = {}  # tokens_per_s and probe of the last step
+        self.last_saved = -1
+        self.step_t0: dict[int, float] = {}
+        self.compute_s: dict[int, float] = {}
+        self.grad_ready: dict[int, float] = {}
+
+    def begin(self, state: TrainState) -> None:
+        """The run starts (or joins) at ``state.step``."""
+        self.progress = Progress(state.run.steps,
+                                 stream=sys.stderr if self.opts.progress else None)
+        self.progress.start(state.step)
+        self.last_saved = state.step  # --save-every counts from where this run starts
+
+    def computing(self, step: int) -> None:
+        """The machine asked for the contribution of ``step``: its wall time starts."""
+        self.step_t0.setdefault(step, time.monotonic())
+
+    def gradient_ready(self, step: int, compute_s: float, now: float) -> None:
+        """Our contribution of ``step`` is computed; the exchange starts."""
+        self.compute_s[step] = compute_s
+        self.grad_ready[step] = now
+
+    async def commit(self, c: sync.Commit, trainer: Trainer, state: TrainState,
+                     encoder: RecordingEncoder, total: int, status: StatusSink) -> None:
+        """One committed step or round: progress, a metrics record, maybe a save."""
+        assert self.progress is not None
+        now = time.monotonic()
+        run = state.run
+        done = trainer.inner_steps
+        inner = trainer.steps_in(c.step)
+        tokens = run.batch * run.model.seq * len(c.roster) * inner
+        t0 = self.step_t0.pop(c.step, now)
+        ready = self.grad_ready.pop(c.step, now)
+        compute_s = self.compute_s.pop(c.step, 0.0)
+        comm_s = max(0.0, now - ready)
+        wall_s = max(0.0, now - t0)
+        comm_share = comm_s / wall_s if wall_s > 0 else 0.0
+        loss = c.loss if c.loss is not None else math.nan
+        note = f"{mode(run)}  comm {comm_share:.0%}"
+        if run.sync_every > 1:
+            note = f"round {c.step + 1}/{total}  " + note
+        tokens_per_s = self.progress.update(done, loss, tokens, note=note)
+        record = {
+            "step": done, "loss": loss, "weight_hash": c.weight_hash,
+            "probe_hash": c.probe_hash, "roster": list(c.roster),
+            "tokens_per_s": tokens_per_s, "comm_s": comm_s,
+            "compute_s": compute_s, "wall_s": wall_s, "comm_share": comm_share,
+            "mode": mode(run), "sync_every": run.sync_every, "codec": run.codec,
+            "round": c.step + 1, "bytes_sent": encoder.bytes_sent,
+        }
+        if c.rollback:
+            record["rollback"] = True
+        self.metrics.write(record)
+        every = self.opts.save_every
+        if self.opts.save and every and done // every > self.last_saved // every:
+            try:
+                save_checkpoint(self.opts.save, state.checkpoint(self.tokinfo))
+                self.last_saved = done
+            except CheckpointError as exc:
+                # The write is atomic (the old file stays) and the replica is fine, so
+                # training goes on; the next save (or the final one) tries again.
+                log(f"could not save the checkpoint of step {done} "
+                    f"(training goes on): {exc}")
+        self.last_loss = float(loss) if math.isfinite(loss) else 0.0
+        self.last_peers = len(c.roster)
+        # Kept for the final report, so the dashboard still shows them after the run.
+        self.last_extra = {"tokens_per_s": float(tokens_per_s), "probe": c.probe_hash[:16]}
+        with contextlib.suppress(Exception):
+            await status.report_status(
+                step=done, loss=self.last_loss,
+                hash=c.weight_hash[:16], peers=len(c.roster),
+                tokens_per_s=float(tokens_per_s), probe=c.probe_hash[:16], state="training")
+
+    async def finish(self, result: tuple[int, str], state: TrainState, shared_hash: str,
+                     status: StatusSink) -> int:
+        """The end record, the final save and the last status; returns the exit code."""
+        code, reason = result
+        # The replica is always a committed boundary (a refused step touches nothing).
+        saved = None
+        save_error = None
+        if self.opts.save and state is not None:
+            try:
+                save_checkpoint(self.opts.save, state.checkpoint(self.tokinfo))
+                saved = self.opts.save
+            except CheckpointError as exc:
+                save_error = str(exc)
+        end: dict[str, object] = {"end": reason, "step": state.step,
+                               # What the group shares (in rounds: not the local moments).
+                               "weight_hash": shared_hash}
+        if save_error is not None:
+            end["save_error"] = save_error
+        kernels: dict[str, Any] | None = None  # as kernel_report() types it
+        with contextlib.suppress(Exception):  # the report must never hide the run's end
+            kernels = end["kernels"] = kernel_report()
+        self.metrics.write(end)
+        with contextlib.suppress(Exception):
+            await status.report_status(
+                step=state.step, loss=self.last_loss, hash=end["weight_hash"][:16],
+                peers=self.last_peers, state="done" if code == 0 else "halted",
+                **self.last_extra)
+        if code == 0:
+            log(f"done at step {state.step}, weight hash {end['weight_hash'][:16]}"
+                + (f", saved {saved}" if saved else ""))
+        elif saved:
+            log(f"checkpoint of step {state.step} saved to {saved}")
+        if kernels is not None:
+            log(kernel_line(kernels))
+        if save_error is not None:
+            # A run whose final checkpoint is lost did not end well, even if it trained.
+            log(f"could not save the final checkpoint of step {state.step}: {save_error}")
+            code = code or 1
+        return code
+
+    def close(self) -> None:
+        self.metrics.close()
