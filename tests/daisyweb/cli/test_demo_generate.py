@@ -52,7 +52,7 @@ def test_demo_group_of_three_ends_with_one_weight_hash(tmp_path) -> None:
     metrics = tmp_path / "m.jsonl"
     proc = subprocess.run(
         [sys.executable, "-m", "daisyweb.cli.demo", "--peers", "3", "--steps", "3",
-         "--port", "0", "--metrics", str(metrics), *TINY],
+         "--sync-every", "2", "--port", "0", "--metrics", str(metrics), *TINY],
         capture_output=True, text=True, timeout=240, cwd=tmp_path)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     # the printed dashboard URL is the host's link: it carries the room's secret key
@@ -63,7 +63,9 @@ def test_demo_group_of_three_ends_with_one_weight_hash(tmp_path) -> None:
     assert sorted(p for p, _ in finals) == ["0", "1", "2"]
     assert len({h for _, h in finals}) == 1
     records = [json.loads(x) for x in metrics.read_text().splitlines()]
-    assert [r["step"] for r in records[:-1]] == [1, 2, 3]
+    # rounds of 2 local steps (the last one short): one record per round
+    assert [(r["round"], r["step"]) for r in records[:-1]] == [(1, 2), (2, 3)]
+    assert {r["mode"] for r in records[:-1]} == {"rounds H=2 int8"}
     assert len(records[0]["roster"]) == 3
     assert records[-2]["weight_hash"].startswith(finals[0][1])
 
