@@ -19,7 +19,7 @@ from daisyweb.data import BatchSampler, builtin_tokens, default_tokenizer
 from daisyweb.model import ModelConfig
 from daisyweb.protocol.averaging import average_in_roster_order
 from daisyweb.protocol.codec import codec_by_name
-from daisyweb.training.config import RunConfig
+from daisyweb.training.config import DEFAULTS, RunConfig
 from daisyweb.training.evaluate import heldout_batches, heldout_loss
 from daisyweb.training.rounds import LockstepTrainer, RoundTrainer, round_count
 from daisyweb.training.state import TrainState
@@ -49,7 +49,7 @@ def heldout_eval(run: RunConfig) -> Callable[[np.ndarray], float]:
 
 def simulate(peers: int, steps: int, sync_every: int = 1, codec: str = "f32",
              outer_lr: float = 1.0, eval_every: int = 50, batch: int = 8,
-             lr: float = 3e-3, seed: int = 0) -> SimResult:
+             lr: float = float(DEFAULTS["lr"]), seed: int = 0) -> SimResult:
     tok = default_tokenizer()
     train = np.asarray(builtin_tokens())  # the training part: the held-out 5% is not in it
     run = RunConfig(model=ModelConfig(vocab=tok.vocab_size), batch=batch, steps=steps,
@@ -103,7 +103,7 @@ if __name__ == "__main__":
     ap.add_argument("--sync-every", type=int, default=1)
     ap.add_argument("--codec", default="f32")
     ap.add_argument("--outer-lr", type=float, default=1.0)
-    ap.add_argument("--lr", type=float, default=3e-3)
+    ap.add_argument("--lr", type=float, default=float(DEFAULTS["lr"]))
     a = ap.parse_args()
     r = simulate(a.peers, a.steps, a.sync_every, a.codec, a.outer_lr, lr=a.lr)
     print(json.dumps({"peers": r.peers, "H": r.sync_every, "codec": r.codec,
