@@ -1,8 +1,10 @@
 """The data feed: the batch sampler over the built-in corpus, topped up in the background.
 
-The head of the built-in corpus is encoded up front, so the first step never waits; the
-rest of it, and text slices fetched from the server's ``/data`` now and then, are
-encoded off the event loop and handed to the sampler between computations.
+The whole built-in training corpus is there from the first step (encoded once, about a
+second): a peer that started on the head alone overfitted it, and trained a visibly
+worse model than one peer on the whole corpus. Text slices fetched from the server's
+``/data`` now and then are encoded off the event loop and handed to the sampler between
+computations.
 """
 
 from __future__ import annotations
@@ -13,50 +15,33 @@ from collections import deque
 import aiohttp
 import numpy as np
 
-from daisyweb.data import BatchSampler, Tokenizer, builtin_text
+from daisyweb.data import BatchSampler, Tokenizer, builtin_tokens
 from daisyweb.peer.options import data_url, log
 from daisyweb.training.config import RunConfig
 
-__all__ = ["DATA_EVERY_S", "DATA_MAX_TOKENS", "START_TEXT_CHARS", "DataFeed"]
+__all__ = ["DATA_EVERY_S", "DATA_MAX_TOKENS", "DataFeed"]
 
 DATA_EVERY_S = 30.0
-START_TEXT_CHARS = 1 << 18  # built-in text encoded before the first step
 DATA_MAX_TOKENS = 4_000_000
 
 
 class DataFeed:
-    """Sampler over the head of the built-in corpus now; then /data slices in the
-    background, or the rest of the built-in corpus if /data is not there (encoding
-    all of it takes a second or two, so it is not done up front)."""
+    """Sampler over the whole built-in training corpus, topped up with /data slices."""
 
     def __init__(self, tok: Tokenizer, run: RunConfig, peer: str, server: str) -> None:
         self.tok = tok
         self.run = run
         self.server = server
-        head = tok.encode(builtin_text()[:START_TEXT_CHARS])
-        self.sampler = BatchSampler(head, batch=run.batch, seq=run.model.seq,
+        self.sampler = BatchSampler(builtin_tokens(), batch=run.batch, seq=run.model.seq,
                                     seed=run.seed, peer=peer)
         self.pending_tokens: deque[np.ndarray] = deque()
         self.fetched_tokens = 0
-        self.builtin_loaded = False
 
     def start(self) -> list[asyncio.Task[None]]:
-        """Start the background loads; the caller owns (and cancels) the tasks."""
-        # The whole built-in corpus always loads: training on the head alone (or on a
-        # few /data slices) overfits it within a few dozen steps.
-        tasks = [asyncio.create_task(self._load_builtin())]
-        if self.run.data != "builtin":
-            tasks.append(asyncio.create_task(self._fetch_data()))
-        return tasks
-
-    async def _load_builtin(self) -> None:
-        if self.builtin_loaded:
-            return
-        self.builtin_loaded = True
-        loop = asyncio.get_running_loop()
-        rest = await loop.run_in_executor(
-            None, self.tok.encode, builtin_text()[START_TEXT_CHARS:])
-        self.pending_tokens.append(np.asarray(rest))
+        """Start the background /data fetch; the caller owns (and cancels) the task."""
+        if self.run.data == "builtin":
+            return []
+        return [asyncio.create_task(self._fetch_data())]
 
     async def _fetch_data(self) -> None:
         """Fetch text slices from /data now and then; failures just keep the corpus."""
