@@ -56,6 +56,8 @@ def _parser() -> argparse.ArgumentParser:
                    help=f"what peers exchange (default {DEFAULTS['codec']})")
     p.add_argument("--outer-lr", type=float, help=f"default {DEFAULTS['outer_lr']}")
     p.add_argument("--save", metavar="FILE.pt", help="write the final checkpoint here")
+    p.add_argument("--eval-every", type=int, default=0, metavar="K",
+                   help="leader: held-out loss every K steps in progress and metrics")
     p.add_argument("--save-every", type=int, default=0, metavar="K",
                    help="also checkpoint every K steps (needs --save)")
     p.add_argument("--metrics", metavar="FILE.jsonl", help="one JSON object per step")
@@ -219,6 +221,8 @@ def peer_commands(args: argparse.Namespace, run: RunConfig, server: str,
             leader += ["--save-every", str(args.save_every)]
     if args.metrics:
         leader += ["--metrics", args.metrics]
+    if args.eval_every:
+        leader += ["--eval-every", str(args.eval_every)]
     return [leader] + [base + ["--name", f"peer-{i}"] for i in range(1, args.peers)]
 
 

@@ -104,6 +104,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help=f"leader: what members exchange (default {DEFAULTS['codec']})")
     p.add_argument("--resume", default=None, metavar="FILE.pt", help="leader: resume a run")
     p.add_argument("--save", default=None, metavar="FILE.pt", help="checkpoint file (atomic)")
+    p.add_argument("--eval-every", type=_non_negative_int, default=0, metavar="K",
+                   help="held-out loss every K steps (at the next round boundary) in the "
+                        "progress line and the metrics")
     p.add_argument("--save-every", type=_non_negative_int, default=0, metavar="K",
                    help="also save every K committed steps (needs --save)")
     p.add_argument("--metrics", default=None, metavar="FILE.jsonl")

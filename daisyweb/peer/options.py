@@ -37,6 +37,7 @@ class PeerOptions:
     resume: str | None = None
     save: str | None = None
     save_every: int = 0
+    eval_every: int = 0  # held-out loss every K optimizer steps (at the next boundary)
     metrics: str | None = None
     join_timeout: float = 60.0
     stun: list[str] = field(default_factory=list)
@@ -58,6 +59,7 @@ def options_from_args(args: argparse.Namespace) -> PeerOptions:
         start=args.start, model=model, batch=args.batch, steps=args.steps, lr=args.lr,
         seed=args.seed, sync_every=args.sync_every, codec=args.codec, outer_lr=args.outer_lr,
         resume=args.resume, save=args.save, save_every=args.save_every,
+        eval_every=args.eval_every,
         metrics=args.metrics, join_timeout=args.join_timeout, stun=list(args.stun),
         ice_hosts=list(args.ice_host), wait_peers=args.wait_peers,
     )

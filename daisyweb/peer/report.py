@@ -14,10 +14,13 @@ import time
 from collections.abc import Awaitable
 from typing import Any, Protocol
 
+import numpy as np
+
 from daisyweb.checkpoints.checkpoint import CheckpointError, TokenizerInfo, save_checkpoint
 from daisyweb.peer.exchange import RecordingEncoder, Trainer, mode
 from daisyweb.peer.options import PeerOptions, log
 from daisyweb.protocol import sync
+from daisyweb.training.evaluate import heldout_batches, heldout_loss
 from daisyweb.training.metrics import MetricsWriter, Progress, kernel_line, kernel_report
 from daisyweb.training.state import TrainState
 
@@ -42,6 +45,8 @@ class Report:
         self.last_peers = 1
         self.last_extra: dict[str, float | str] = {}  # tokens_per_s and probe of the last step
         self.last_saved = -1
+        self.last_eval = -1
+        self._eval_batches: list[np.ndarray] | None = None
         self.step_t0: dict[int, float] = {}
         self.compute_s: dict[int, float] = {}
         self.grad_ready: dict[int, float] = {}
@@ -52,6 +57,7 @@ class Report:
                                  stream=sys.stderr if self.opts.progress else None)
         self.progress.start(state.step)
         self.last_saved = state.step  # --save-every counts from where this run starts
+        self.last_eval = state.step
 
     def computing(self, step: int) -> None:
         """The machine asked for the contribution of ``step``: its wall time starts."""
@@ -81,6 +87,9 @@ class Report:
         note = f"{mode(run)}  comm {comm_share:.0%}"
         if run.sync_every > 1:
             note = f"round {c.step + 1}/{total}  " + note
+        heldout = self._maybe_evaluate(state, done)
+        if heldout is not None:
+            note += f"  held-out {heldout[0]:.3f}"
         tokens_per_s = self.progress.update(done, loss, tokens, note=note)
         record = {
             "step": done, "loss": loss, "weight_hash": c.weight_hash,
@@ -90,6 +99,8 @@ class Report:
             "mode": mode(run), "sync_every": run.sync_every, "codec": run.codec,
             "round": c.step + 1, "bytes_sent": encoder.bytes_sent,
         }
+        if heldout is not None:
+            record["heldout_loss"], record["eval_s"] = heldout
         if c.rollback:
             record["rollback"] = True
         self.metrics.write(record)
@@ -112,6 +123,22 @@ class Report:
                 step=done, loss=self.last_loss,
                 hash=c.weight_hash[:16], peers=len(c.roster),
                 tokens_per_s=float(tokens_per_s), probe=c.probe_hash[:16], state="training")
+
+    def _maybe_evaluate(self, state: TrainState, done: int) -> tuple[float, float] | None:
+        """Held-out loss and its seconds when ``--eval-every`` says so (else None).
+
+        Evaluated on the shared weights at the boundary (in rounds: the anchor), on the
+        fixed batches ``daisyweb-eval`` uses; about a tenth of a second at the default model.
+        """
+        every = self.opts.eval_every
+        if not every or done // every <= self.last_eval // every:
+            return None
+        if self._eval_batches is None:
+            self._eval_batches = heldout_batches(state.run.model.seq)
+        t0 = time.perf_counter()
+        loss = heldout_loss(state.run.model, state.params, self._eval_batches)
+        self.last_eval = done
+        return loss, time.perf_counter() - t0
 
     async def finish(self, result: tuple[int, str], state: TrainState, shared_hash: str,
                      status: StatusSink) -> int:

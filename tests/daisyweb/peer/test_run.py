@@ -272,14 +272,15 @@ def _records(path: Path) -> list[dict]:
 async def _group(tmp: Path, server: str, n: int, steps: int,
                  hooks: dict[str, TestHooks] | None = None,
                  save: dict[str, str] | None = None,
-                 hub: FakeHub | None = None) -> list[int]:
+                 hub: FakeHub | None = None, leader: dict | None = None) -> list[int]:
     hub = hub if hub is not None else FakeHub()
     hooks = hooks or {}
     save = save or {}
 
     async def one(i: int) -> int:
         name = f"p{i}"
-        extra: dict = {"start": True, "steps": steps, "wait_peers": n} if i == 0 else {}
+        extra: dict = ({"start": True, "steps": steps, "wait_peers": n, **(leader or {})}
+                       if i == 0 else {})
         if name in save:
             extra["save"] = save[name]
         await asyncio.sleep(0.05 * i)  # the leader first, like a room's host
@@ -312,6 +313,23 @@ def test_in_process_group_matches_replay(tmp_path: Path, server: str) -> None:
     want = replay_hashes(init_params(tiny_run().model, 3), tiny_run().adam(), spec)
     assert list(hashes.pop()) == want
     assert all(rs[-1]["end"] == "done" for rs in recs)
+
+
+def test_in_process_eval_every_records_the_heldout_loss_of_the_shared_weights(
+        tmp_path: Path, server: str) -> None:
+    from daisyweb.training.evaluate import heldout_batches, heldout_loss
+
+    ck = tmp_path / "p0.pt"
+    codes = asyncio.run(_group(tmp_path, server, 2, 4, save={"p0": str(ck)},
+                               leader={"eval_every": 2}))
+    assert codes == [0, 0]
+    lead = [r for r in _records(tmp_path / "p0.jsonl") if "end" not in r]
+    assert [r["step"] for r in lead if "heldout_loss" in r] == [2, 4]
+    final = load_checkpoint(ck)
+    want = heldout_loss(final.model, final.params, heldout_batches(final.model.seq))
+    assert lead[-1]["heldout_loss"] == want and lead[-1]["eval_s"] >= 0
+    follower = _records(tmp_path / "p1.jsonl")
+    assert not any("heldout_loss" in r for r in follower)  # the flag is the leader's own
 
 
 def test_in_process_nan_halts_with_a_valid_checkpoint(tmp_path: Path, server: str) -> None:
