@@ -1,6 +1,6 @@
 """Loss curve of one-peer training at the default config on the built-in corpus.
 
-Runs the same loop as ``daisyweb-demo --peers 1`` (``daisyweb.training.train.train_local``) and
+Runs the same loop as ``daisyweb-demo --peers 1`` (``daisyweb.training.loop.train_local``) and
 records the training loss every step plus a held-out loss (a fixed set of batches from
 the last 5% of the corpus, never trained on) at a few points.
 
@@ -19,8 +19,11 @@ import numpy as np
 from bench._results import machine, write_section
 from daisyweb.checkpoints.checkpoint import TokenizerInfo
 from daisyweb.data import BatchSampler, builtin_tokens, default_tokenizer
-from daisyweb.model import ModelConfig, loss_only
-from daisyweb.training.train import RunConfig, StepRecord, TrainState, train_local
+from daisyweb.model import ModelConfig
+from daisyweb.training.config import RunConfig
+from daisyweb.training.evaluate import heldout_batches, heldout_loss
+from daisyweb.training.loop import StepRecord, train_local
+from daisyweb.training.state import TrainState
 
 
 def main() -> None:
@@ -31,14 +34,11 @@ def main() -> None:
     steps = 30 if args.quick else args.steps
 
     tok = default_tokenizer()
-    tokens = np.asarray(builtin_tokens())
-    split = int(tokens.size * 0.95)
     run = RunConfig(model=ModelConfig(vocab=tok.vocab_size), steps=steps)
-    train = BatchSampler(tokens[:split], batch=run.batch, seq=run.model.seq,
+    # builtin_tokens() is the training part; the held-out 5% is daisyweb-eval's batches.
+    train = BatchSampler(np.asarray(builtin_tokens()), batch=run.batch, seq=run.model.seq,
                          seed=run.seed, peer="bench")
-    held = BatchSampler(tokens[split:], batch=run.batch, seq=run.model.seq,
-                        seed=12345, peer="held-out")
-    held_batches = [held.sample(i) for i in range(1, 9)]
+    held_batches = heldout_batches(run.model.seq)
 
     state = TrainState.fresh(run)
     records: list[StepRecord] = []
@@ -46,7 +46,7 @@ def main() -> None:
     marks = sorted({0, *(int(steps * f) for f in (0.25, 0.5, 0.75)), steps})
 
     def held_loss() -> float:
-        return float(np.mean([loss_only(run.model, state.params, b) for b in held_batches]))
+        return heldout_loss(run.model, state.params, held_batches)
 
     evals[0] = held_loss()
 
@@ -78,8 +78,8 @@ def main() -> None:
         f"Model vocab {run.model.vocab}, width {run.model.width}, {run.model.layers} layers, "
         f"{run.model.heads} heads, seq {run.model.seq}; batch {run.batch}, lr {run.lr}, "
         f"seed {run.seed}; {steps} steps in {wall:.1f} s ({tps:,.0f} tokens/s including "
-        f"held-out evaluation). ln(vocab) = {math.log(run.model.vocab):.3f}. Held-out: 8 "
-        "fixed batches from the last 5% of the corpus, never trained on.",
+        f"held-out evaluation). ln(vocab) = {math.log(run.model.vocab):.3f}. Held-out: "
+        "daisyweb-eval's fixed batches of the last 5% of the corpus, never trained on.",
         "",
         *rows,
         "",

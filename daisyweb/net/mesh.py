@@ -136,15 +136,6 @@ class Mesh:
         """Our peer id, assigned by the signaling server ("" before ``start``)."""
         return self._signaling.self_id
 
-    @property
-    def fault_drop(self) -> DropOutgoing | None:
-        """Old name of :attr:`drop_outgoing`, kept until every caller has switched."""
-        return self.drop_outgoing
-
-    @fault_drop.setter
-    def fault_drop(self, hook: DropOutgoing | None) -> None:
-        self.drop_outgoing = hook
-
     # ------------------------------------------------------------------ interface
 
     async def start(self) -> None:

@@ -238,19 +238,6 @@ async def test_drop_outgoing_one_message_to_one_peer(srv):
     assert steps == [1, 3] and len(dropped) == 1
 
 
-async def test_fault_drop_is_an_alias_of_drop_outgoing(srv):
-    m = srv.mesh(name="alias")
-    assert m.drop_outgoing is None and m.fault_drop is None
-
-    def hook(peer: str, msg: wire.Message) -> bool:
-        return False
-
-    m.fault_drop = hook  # the old name, until every caller uses drop_outgoing
-    assert m.drop_outgoing is hook and m.fault_drop is hook
-    m.drop_outgoing = None
-    assert m.fault_drop is None
-
-
 async def test_backpressure_bounds_channel_buffer(srv):
     a, b = await connected_pair(srv)
     ch = a._links[b.self_id].channel
