@@ -30,7 +30,8 @@ ROOT = Path(__file__).resolve().parents[1]
 ROOM = "demo-dash"
 STEPS = 40
 MODEL = ["--width", "16", "--layers", "1", "--heads", "2", "--seq", "16", "--batch", "2",
-         "--lr", "0.01", "--seed", "3", "--steps", str(STEPS)]
+         "--lr", "0.01", "--seed", "3", "--steps", str(STEPS),
+         "--sync-every", "1", "--codec", "f32"]  # lockstep: a point on the curve every step
 # Slows each real step so the curve can be watched moving and the third peer can knock
 # while the group still trains (40 steps take >= 10 s).
 SLOW = {"DAISYWEB_TEST_STEP_DELAY": "0.25"}
