@@ -226,6 +226,18 @@ def peer_commands(args: argparse.Namespace, run: RunConfig, server: str,
     return [leader] + [base + ["--name", f"peer-{i}"] for i in range(1, args.peers)]
 
 
+def blas_threads(peers: int, cores: int | None = None) -> dict[str, str]:
+    """BLAS thread counts for ``peers`` processes sharing this machine's cores.
+
+    Each OpenBLAS thread spins after a call, so N peers with a thread per core each
+    oversubscribe the machine (three peers on two cores ran 5x slower than with one thread
+    each). A count the user set in the environment is kept.
+    """
+    per_peer = str(max(1, (cores or os.cpu_count() or 1) // peers))
+    names = ("OPENBLAS_NUM_THREADS", "OMP_NUM_THREADS", "MKL_NUM_THREADS")
+    return {n: per_peer for n in names if n not in os.environ}
+
+
 def run_group(args: argparse.Namespace, run: RunConfig) -> int:
     if args.port and _port_in_use(args.port):
         # Said at once: our server could not bind, and whoever holds it is not ours.
@@ -234,7 +246,7 @@ def run_group(args: argparse.Namespace, run: RunConfig) -> int:
     port = args.port or _free_port()
     room = "demo-" + secrets.token_hex(4)
     server_url = f"http://127.0.0.1:{port}"
-    env = dict(os.environ, PYTHONUNBUFFERED="1")
+    env = dict(os.environ, PYTHONUNBUFFERED="1", **blas_threads(args.peers))
     procs: list[subprocess.Popen] = []
     pumps: list[threading.Thread] = []
 

@@ -274,3 +274,15 @@ def test_demo_unopenable_metrics_file_is_one_line(tmp_path, capsys) -> None:
     assert demo.main(["--peers", "1", "--steps", "1", "--metrics", str(bad), *TINY]) == 2
     err = capsys.readouterr().err.strip()
     assert err == f"daisyweb-demo: --metrics: cannot open {bad}: Not a directory"
+
+
+def test_demo_peers_share_the_cores_one_blas_thread_each(monkeypatch) -> None:
+    from daisyweb.cli.demo import blas_threads
+
+    for name in ("OPENBLAS_NUM_THREADS", "OMP_NUM_THREADS", "MKL_NUM_THREADS"):
+        monkeypatch.delenv(name, raising=False)
+    assert blas_threads(3, cores=2) == {"OPENBLAS_NUM_THREADS": "1", "OMP_NUM_THREADS": "1",
+                                        "MKL_NUM_THREADS": "1"}
+    assert blas_threads(2, cores=8)["OPENBLAS_NUM_THREADS"] == "4"
+    monkeypatch.setenv("OPENBLAS_NUM_THREADS", "2")  # the user's choice is kept
+    assert "OPENBLAS_NUM_THREADS" not in blas_threads(3, cores=2)
