@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from daisyweb.protocol.codec import codec_by_name
+from daisyweb.protocol.codec import Codec, codec_by_name
 from daisyweb.training.config import RunConfig
 from daisyweb.training.rounds import LockstepTrainer, RoundTrainer, round_count
 from daisyweb.training.state import TrainState
@@ -31,7 +31,7 @@ class RecordingEncoder:
         codec = codec_by_name(name)
         self.name = codec.name
         self._codec = codec
-        self._encoder = codec.encoder(size) if hasattr(codec, "encoder") else codec
+        self._encoder: Codec = codec.encoder(size)  # error feedback for int8
         self.last_payload = b""
         self.bytes_sent = 0  # payload bytes of this member's own contributions so far
 

@@ -215,10 +215,10 @@ class ErrorFeedbackEncoder:
 
 F32 = F32Codec()
 INT8 = Int8Codec()
-CODECS: dict[str, Codec] = {"f32": F32, "int8": INT8}
+CODECS: dict[str, F32Codec | Int8Codec] = {"f32": F32, "int8": INT8}
 
 
-def codec_by_name(name: str) -> Codec:
+def codec_by_name(name: str) -> F32Codec | Int8Codec:
     try:
         return CODECS[name]
     except KeyError:
