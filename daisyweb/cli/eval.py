@@ -12,15 +12,12 @@ import math
 import sys
 from collections.abc import Sequence
 from dataclasses import dataclass
-from pathlib import Path
 
 from daisyweb.checkpoints.checkpoint import (
     Checkpoint,
-    CheckpointError,
-    TokenizerInfo,
-    load_checkpoint,
 )
-from daisyweb.data import Tokenizer, default_tokenizer, heldout_tokens
+from daisyweb.cli.common import open_checkpoint
+from daisyweb.data import heldout_tokens
 from daisyweb.training.evaluate import (
     DEFAULT_BATCH,
     DEFAULT_BATCHES,
@@ -74,15 +71,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = parser.parse_args(argv)
     if not 1 <= args.batches <= MAX_BATCHES:
         parser.error(f"--batches must be between 1 and {MAX_BATCHES}")
-    if not Path(args.checkpoint).is_file():
-        print(f"daisyweb-eval: no such file: {args.checkpoint}", file=sys.stderr)
-        return 1
-    tok: Tokenizer = default_tokenizer()
-    try:
-        ckpt = load_checkpoint(args.checkpoint,
-                               expect_tokenizer=TokenizerInfo(tok.vocab_size, tok.file_hash))
-    except (CheckpointError, OSError) as exc:
-        print(f"daisyweb-eval: cannot use {args.checkpoint}: {exc}", file=sys.stderr)
+    ckpt = open_checkpoint("daisyweb-eval", args.checkpoint)
+    if ckpt is None:
         return 1
     fit = max_batches(ckpt.model.seq, DEFAULT_BATCH)
     if args.batches > fit:

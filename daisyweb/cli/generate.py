@@ -5,11 +5,10 @@ from __future__ import annotations
 import argparse
 import sys
 from collections.abc import Sequence
-from pathlib import Path
 
 import numpy as np
 
-from daisyweb.checkpoints.checkpoint import CheckpointError, TokenizerInfo, load_checkpoint
+from daisyweb.cli.common import open_checkpoint
 from daisyweb.data import Tokenizer, default_tokenizer
 from daisyweb.model import ModelConfig, forward
 
@@ -57,16 +56,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         parser.error("--temperature must be between 0 and 100")
     if args.seed < 0:
         parser.error("--seed must be >= 0")
-    if not Path(args.checkpoint).is_file():
-        print(f"daisyweb-generate: no such file: {args.checkpoint}", file=sys.stderr)
+    ckpt = open_checkpoint("daisyweb-generate", args.checkpoint)
+    if ckpt is None:
         return 1
     tok: Tokenizer = default_tokenizer()
-    try:
-        ckpt = load_checkpoint(args.checkpoint,
-                               expect_tokenizer=TokenizerInfo(tok.vocab_size, tok.file_hash))
-    except (CheckpointError, OSError) as exc:
-        print(f"daisyweb-generate: cannot use {args.checkpoint}: {exc}", file=sys.stderr)
-        return 1
     prompt = tok.encode(args.prompt) if args.prompt else np.zeros(0, np.int32)
     if prompt.size == 0:
         # An empty prompt still needs one token to condition on: a newline.
