@@ -64,7 +64,7 @@ def one_peer(steps: int, tmp: Path) -> dict:
     subprocess.run(cmd, cwd=tmp, env=ENV, check=True, capture_output=True, timeout=1800)
     recs = [r for r in _records(metrics) if "compute_s" in r]
     secs = sum(r["compute_s"] for r in recs)
-    return {"train_s": secs, "tokens_per_s": sum(8 * 64 for _ in recs) / secs, "ckpt": ckpt}
+    return {"train_s": secs, "tokens_per_s": len(recs) * 8 * 64 / secs, "ckpt": ckpt}
 
 
 def two_peers(steps: int, sync_every: int, codec: str, tmp: Path, tag: str,
