@@ -10,7 +10,7 @@ from urllib.parse import urlsplit
 
 from aiohttp import web
 
-from .server import create_app
+from .server import MAX_PER_ADDRESS, create_app
 
 
 class _Parser(argparse.ArgumentParser):
@@ -33,6 +33,11 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument("--trust-proxy", action="store_true", help="honour X-Forwarded-For")
     p.add_argument("--heartbeat", type=float, default=20.0)
+    p.add_argument(
+        "--max-per-address", type=int, default=MAX_PER_ADDRESS, metavar="N",
+        help="open WebSocket connections allowed per client address; more are closed "
+             f"with a reason (default {MAX_PER_ADDRESS})",
+    )
     return p
 
 
@@ -44,6 +49,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         parser.error(f"--port must be 1-65535, got {args.port}")
     if args.heartbeat <= 0:
         parser.error("--heartbeat must be positive")
+    if args.max_per_address < 1:
+        parser.error(f"--max-per-address must be at least 1, got {args.max_per_address}")
     if args.hf_endpoint is not None:
         u = urlsplit(args.hf_endpoint)
         if u.scheme not in ("http", "https") or not u.hostname or u.query or u.fragment:
@@ -57,6 +64,7 @@ def build_app(args: argparse.Namespace) -> web.Application:
         heartbeat=args.heartbeat,
         data_source=args.data,
         hf_endpoint=args.hf_endpoint,
+        max_per_address=args.max_per_address,
     )
 
 

@@ -10,19 +10,40 @@ from __future__ import annotations
 
 import json
 import re
+import unicodedata
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
 MAX_MESSAGE_BYTES = 64 * 1024
 MAX_ERRORS = 20
-ROOM_RE = re.compile(r"^[A-Za-z0-9_-]{4,64}$")
-ID_RE = re.compile(r"^[0-9a-f]{1,32}$")
+# Room codes and peer ids: the one definition, used by the server and by daisyweb-peer.
+# Always matched with fullmatch: with match() and "$", "abcd\n" passed as a room of its own.
+ROOM_RE = re.compile(r"[A-Za-z0-9_-]{4,64}")
+ROOM_RULE = "4-64 characters of A-Z a-z 0-9 _ -"
+ID_RE = re.compile(r"[0-9a-f]{1,32}")
 SIGNAL_KINDS = ("offer", "answer", "candidate")
 # Optional status fields shown on the dashboard. "ok"/"bad" are the usual probe
 # values; any short string (e.g. a probe hash prefix) is accepted too.
 RUN_STATES = ("starting", "training", "halted", "done", "waiting")
+MAX_NAME_CHARS = 64
+MAX_HASH_CHARS = 16
 MAX_PROBE_CHARS = 16
+MAX_MODE_CHARS = 48  # "rounds H=1048576 int8" is 21
+# Every number from the network is checked against a range before it is used or stored.
+MAX_STEP = (1 << 63) - 1  # as daisyweb.rules.MAX_STEP: steps fit a signed 64-bit int
+MAX_PEERS = 1 << 20
+MAX_LOSS = 1e9  # far above any real cross-entropy, far below float overflow
+MAX_TOKENS_PER_S = 1e12
+# Text that must never reach a terminal, a log line or a page raw: ANSI escape and
+# control sequences (7- and 8-bit), then every control, format (bidi overrides,
+# zero-width), surrogate and line/paragraph separator character.
+_ESCAPES = re.compile(
+    r"(?:\x1b\[|\x9b)[0-?]*[ -/]*[@-~]"  # CSI: colours, cursor moves, screen clears
+    r"|(?:\x1b[\]P^_X]|[\x90\x9d\x9e\x9f\x98])[^\x07\x1b\x9c]*(?:\x07|\x1b\\|\x9c)?"  # OSC, DCS...
+    r"|\x1b[ -/]*[0-~]"  # any other ESC sequence
+)
+_HIDDEN_CATEGORIES = frozenset({"Cc", "Cf", "Cs", "Zl", "Zp"})
 
 
 class ProtocolError(ValueError):
@@ -39,7 +60,33 @@ def error(code: str, message: str) -> dict[str, Any]:
 
 
 def valid_room(code: str | None) -> bool:
-    return code is None or bool(ROOM_RE.match(code))
+    """No room (a public group), or a room code that matches ROOM_RULE in full."""
+    return code is None or (isinstance(code, str) and ROOM_RE.fullmatch(code) is not None)
+
+
+def valid_peer_id(value: object) -> bool:
+    return isinstance(value, str) and ID_RE.fullmatch(value) is not None
+
+
+def _shown(ch: str) -> bool:
+    return unicodedata.category(ch) not in _HIDDEN_CATEGORIES
+
+
+def clean_text(text: str, limit: int) -> str:
+    """Peer-supplied ``text`` made safe to show anywhere: escape sequences and hidden or
+    control characters removed, outer whitespace trimmed, at most ``limit`` characters."""
+    text = _ESCAPES.sub("", text[: limit * 8])  # bounded work; more could never be shown
+    return "".join(filter(_shown, text)).strip()[:limit].rstrip()
+
+
+def clean_name(raw: str | None) -> str:
+    """A display name as the server stores and shows it ("peer" when nothing is left)."""
+    return clean_text(raw or "", MAX_NAME_CHARS) or "peer"
+
+
+def is_clean(text: str) -> bool:
+    """True when ``text`` holds nothing :func:`clean_text` would remove inside it."""
+    return all(map(_shown, text))
 
 
 def _field(msg: dict, name: str, types: tuple, what: str) -> Any:
@@ -55,8 +102,33 @@ def _field(msg: dict, name: str, types: tuple, what: str) -> Any:
 
 def _peer_id(msg: dict, name: str) -> str:
     value = _field(msg, name, (str,), "a peer id string")
-    if not ID_RE.match(value):
+    if not valid_peer_id(value):
         raise ProtocolError("bad_field", f"field {name!r} is not a valid peer id")
+    return value
+
+
+def _int_in(msg: dict, name: str, lo: int, hi: int) -> int:
+    value = _field(msg, name, (int,), "an integer")
+    if not lo <= value <= hi:
+        raise ProtocolError("bad_field", f"field {name!r} must be an integer in {lo}..{hi}")
+    return value
+
+
+def _number_in(msg: dict, name: str, lo: float, hi: float) -> float:
+    value = _field(msg, name, (int, float), "a number")
+    # Compared before float(): a 400-digit int overflows float() but compares exactly,
+    # and NaN and the infinities fail the comparison.
+    if not lo <= value <= hi:
+        raise ProtocolError(
+            "bad_field", f"field {name!r} must be a finite number in {lo:g}..{hi:g}")
+    return float(value)
+
+
+def _text(msg: dict, name: str, limit: int) -> str:
+    value = _field(msg, name, (str,), "a string")
+    if len(value) > limit or not is_clean(value):
+        raise ProtocolError(
+            "bad_field", f"field {name!r} must be at most {limit} printable characters")
     return value
 
 
@@ -64,21 +136,34 @@ def _status_extras(msg: dict) -> dict[str, Any]:
     """The optional dashboard fields of a status report; absent fields stay absent."""
     out: dict[str, Any] = {}
     if "tokens_per_s" in msg:
-        tps = _field(msg, "tokens_per_s", (int, float), "a number")
-        if not tps >= 0 or tps == float("inf"):  # `not >=` also catches NaN
-            raise ProtocolError("bad_field", "tokens_per_s must be a finite number >= 0")
-        out["tokens_per_s"] = float(tps)
+        out["tokens_per_s"] = _number_in(msg, "tokens_per_s", 0.0, MAX_TOKENS_PER_S)
     if "probe" in msg:
-        probe = _field(msg, "probe", (str,), "a string")
-        if len(probe) > MAX_PROBE_CHARS:
-            raise ProtocolError("bad_field", f"probe must be at most {MAX_PROBE_CHARS} characters")
-        out["probe"] = probe
+        out["probe"] = _text(msg, "probe", MAX_PROBE_CHARS)
     if "state" in msg:
         state = _field(msg, "state", (str,), "a string")
         if state not in RUN_STATES:
             raise ProtocolError("bad_field", "state must be one of " + ", ".join(RUN_STATES))
         out["state"] = state
+    if "mode" in msg:  # e.g. "rounds H=32 int8" or "lockstep f32"
+        out["mode"] = _text(msg, "mode", MAX_MODE_CHARS)
+    if "round" in msg:
+        out["round"] = _int_in(msg, "round", 0, MAX_STEP)
+    if "comm_share" in msg:  # the share of the round's wall time spent communicating
+        out["comm_share"] = _number_in(msg, "comm_share", 0.0, 1.0)
+    if "heldout_loss" in msg:
+        out["heldout_loss"] = _number_in(msg, "heldout_loss", 0.0, MAX_LOSS)
     return out
+
+
+def _status(msg: dict) -> dict[str, Any]:
+    out = {
+        "type": "status",
+        "step": _int_in(msg, "step", 0, MAX_STEP),
+        "loss": _number_in(msg, "loss", -MAX_LOSS, MAX_LOSS),
+        "hash": _text(msg, "hash", MAX_HASH_CHARS),
+        "peers": _int_in(msg, "peers", 0, MAX_PEERS),
+    }
+    return out | _status_extras(msg)
 
 
 def decode(raw: str | bytes) -> dict[str, Any]:
@@ -103,16 +188,7 @@ def decode(raw: str | bytes) -> dict[str, Any]:
     if kind in ("approve", "deny"):
         return {"type": kind, "id": _peer_id(msg, "id")}
     if kind == "status":
-        step = _field(msg, "step", (int,), "an integer")
-        loss = _field(msg, "loss", (int, float), "a number")
-        hsh = _field(msg, "hash", (str,), "a string")
-        peers = _field(msg, "peers", (int,), "an integer")
-        if len(hsh) > 16:
-            raise ProtocolError("bad_field", "hash must be at most 16 characters")
-        if step < 0 or peers < 0 or loss != loss or abs(loss) == float("inf"):
-            raise ProtocolError("bad_field", "step/peers must be >= 0, loss finite")
-        out = {"type": "status", "step": step, "loss": float(loss), "hash": hsh, "peers": peers}
-        return out | _status_extras(msg)
+        return _status(msg)
     if isinstance(kind, str):
         raise ProtocolError("unknown_type", f"unknown message type {kind[:32]!r}")
     raise ProtocolError("bad_message", "field 'type' must be a string")
@@ -145,9 +221,10 @@ class Welcome:
     """The first message after connecting: our id, and whether we are in yet."""
 
     id: str
-    group: str | None
-    host: str | None
+    group: str | None  # None while waiting for a private room's host
+    host: str | None  # None while waiting: a waiting peer learns nothing of the room
     member: bool  # False: waiting for the host's approval
+    member_key: str | None = None  # members only: the secret of their dashboard view
 
 
 @dataclass(frozen=True)
@@ -168,6 +245,9 @@ class Waiting:
 @dataclass(frozen=True)
 class Approved:
     """We were waiting and are now a member."""
+
+    group: str | None = None
+    member_key: str | None = None  # the secret of our dashboard view of the room
 
 
 @dataclass(frozen=True)
@@ -226,11 +306,18 @@ def _req(msg: Mapping[str, Any], name: str) -> Any:
     return msg[name]
 
 
+def _optional_str(msg: Mapping[str, Any], name: str) -> str | None:
+    value = msg.get(name)
+    return value if isinstance(value, str) else None
+
+
 def _named_peers(msg: Mapping[str, Any]) -> tuple[tuple[str, str], ...]:
     peers = _req(msg, "peers")
     if not isinstance(peers, list) or not all(isinstance(p, dict) for p in peers):
         raise ProtocolError("bad_field", "'peers' must be a list of objects")
-    return tuple((str(_req(p, "id")), str(p.get("name", ""))) for p in peers)
+    # Names are cleaned again here: they end up on terminals (the host's approval prompt).
+    return tuple((str(_req(p, "id")), clean_text(str(p.get("name", "")), MAX_NAME_CHARS))
+                 for p in peers)
 
 
 def parse_server(msg: Mapping[str, Any]) -> ServerMessage:
@@ -241,13 +328,13 @@ def parse_server(msg: Mapping[str, Any]) -> ServerMessage:
     kind = msg.get("type")
     if kind == "welcome":
         return Welcome(str(_req(msg, "id")), msg.get("group"), msg.get("host"),
-                       msg.get("state") == "member")
+                       msg.get("state") == "member", _optional_str(msg, "member_key"))
     if kind == "peers":
         return PeerList(_named_peers(msg), msg.get("host"))
     if kind == "waiting":
         return Waiting(_named_peers(msg))
     if kind == "approved":
-        return Approved()
+        return Approved(_optional_str(msg, "group"), _optional_str(msg, "member_key"))
     if kind == "denied":
         return Denied()
     if kind == "signal":

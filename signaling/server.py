@@ -8,7 +8,7 @@ import json
 import logging
 import secrets
 import time
-from collections import deque
+from collections import Counter, deque
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -39,11 +39,20 @@ STATIC_DIR = find_static_dir()
 HISTORY_POINTS = 500
 RATE_PER_S = 50.0
 RATE_BURST = 100.0
+# Concurrent WebSocket connections from one address (daisyweb-signal --max-per-address).
+MAX_PER_ADDRESS = 32
+# Report fields a peer sends only now and then (held-out loss at --eval-every boundaries,
+# the round fields not in the final report): a later report without them keeps the last.
+STICKY_FIELDS = ("mode", "round", "comm_share", "heldout_loss", "heldout_step")
 _order = itertools.count()
+# WebSocket close codes with their reasons (a reason is at most 123 bytes).
+CLOSE_POLICY = 1008
 
 
-def group_id_for(key: str) -> str:
-    return hashlib.blake2b(key.encode(), digest_size=6).hexdigest()
+def keyed_group_id(secret: bytes, key: str) -> str:
+    """The public id of a group: a hash keyed with the server's secret, so an id cannot
+    be traced back to the address (or room code) it stands for by trying candidates."""
+    return hashlib.blake2b(key.encode(), digest_size=6, key=secret).hexdigest()
 
 
 @dataclass
@@ -51,8 +60,11 @@ class Peer:
     id: str
     name: str
     ws: web.WebSocketResponse
+    address: str = ""
     order: int = field(default_factory=lambda: next(_order))
     approved: bool = False
+    # Members only: the secret that shows its room on the dashboard (?member=KEY).
+    member_key: str | None = None
     errors: int = 0
     tokens: float = RATE_BURST
     stamp: float = field(default_factory=time.monotonic)
@@ -88,6 +100,12 @@ class Group:
         return [{"id": p.id, "name": p.name} for p in self.members.values()]
 
     def record(self, peer_id: str, report: dict[str, Any]) -> None:
+        if "heldout_loss" in report:
+            report["heldout_step"] = report["step"]
+        previous = self.reports.get(peer_id, {})
+        for name in STICKY_FIELDS:
+            if name not in report and name in previous:
+                report[name] = previous[name]
         self.reports[peer_id] = report
         hist = self.history.get(peer_id)
         if hist is None:
@@ -98,11 +116,37 @@ class Group:
         self.reports.pop(peer_id, None)
         self.history.pop(peer_id, None)
 
+    def admit(self, peer: Peer) -> None:
+        """``peer`` becomes a member, with a fresh secret for its dashboard view."""
+        self.waiting.pop(peer.id, None)
+        peer.approved = True
+        peer.member_key = secrets.token_urlsafe(24)
+        self.members[peer.id] = peer
+
+    def member_key_ok(self, key: object) -> bool:
+        """True for the dashboard secret of a current member (constant time per member)."""
+        if not isinstance(key, str) or not key:
+            return False
+        given = key.encode()
+        return any(secrets.compare_digest(given, p.member_key.encode())
+                   for p in self.members.values() if p.member_key is not None)
+
 
 class Registry:
-    def __init__(self) -> None:
+    def __init__(self, max_per_address: int = MAX_PER_ADDRESS) -> None:
         self.groups: dict[str, Group] = {}
         self.peers: dict[str, tuple[Peer, Group]] = {}
+        self.secret = secrets.token_bytes(32)  # keys group ids; new at every start
+        self.max_per_address = max_per_address
+        self.connections: Counter[str] = Counter()  # open WebSockets per address
+        self.capped: set[str] = set()  # addresses over the cap, logged once until under
+
+    def group_id(self, key: str) -> str:
+        return keyed_group_id(self.secret, key)
+
+    def room(self, code: str) -> Group | None:
+        group = self.groups.get(self.group_id("room:" + code))
+        return group if group is not None and group.private else None
 
     def new_id(self) -> str:
         while True:
@@ -110,14 +154,27 @@ class Registry:
             if pid not in self.peers:
                 return pid
 
+    def connect(self, address: str) -> bool:
+        """Count a new connection from ``address``; False (not counted) when over the cap."""
+        if self.connections[address] >= self.max_per_address:
+            return False
+        self.connections[address] += 1
+        return True
+
+    def disconnect(self, address: str) -> None:
+        self.connections[address] -= 1
+        if self.connections[address] <= 0:
+            del self.connections[address]
+        if self.connections[address] < self.max_per_address:
+            self.capped.discard(address)
+
     def join(self, key: str, private: bool, peer: Peer) -> Group:
-        gid = group_id_for(key)
+        gid = self.group_id(key)
         group = self.groups.get(gid)
         if group is None:
             group = self.groups[gid] = Group(gid, private)
         if not private or not group.members:
-            peer.approved = True
-            group.members[peer.id] = peer
+            group.admit(peer)
             if private and group.host is None:
                 group.host = peer.id
         else:
@@ -136,12 +193,22 @@ class Registry:
         if group.host == peer.id:
             nxt = min(group.members.values(), key=lambda p: p.order, default=None)
             group.host = nxt.id if nxt else None
-        if not group.members:
-            group.status = None  # a later host (see promote_waiting) must not see old runs
         if not group.members and not group.waiting:
             self.groups.pop(group.id, None)
         return group
 
+    def close_unattended(self, group: Group) -> list[Peer]:
+        """A private room whose admitted members have all left closes: nobody is left who
+        may admit anyone, and a waiting peer must never inherit the room (and its code).
+        Returns the waiting peers, now out of the registry, for the caller to close."""
+        if not group.private or group.members or not group.waiting:
+            return []
+        stranded = list(group.waiting.values())
+        group.waiting.clear()
+        for p in stranded:
+            self.peers.pop(p.id, None)
+        self.groups.pop(group.id, None)
+        return stranded
 
 
 # Typed application keys (aiohttp warns on plain string keys).
@@ -153,21 +220,19 @@ DATA_SOURCE = web.AppKey("data_source", str)
 DATA_OPTIONS = web.AppKey("data_options", dict)
 FINEWEB = web.AppKey("fineweb", object)  # FineWebReader or None
 
-async def promote_waiting(group: Group) -> None:
-    """A private room whose last member left, with peers still waiting: the longest-waiting
-    peer becomes an approved member and host, as if it had been first into a new room.
+ROOM_CLOSED = "every admitted member of this room has left; the room is closed"
+TOO_MANY = "too many connections from your address"
 
-    Otherwise the waiting peers would be stranded: nobody is left who could approve them.
-    The room is empty, so the new host learns nothing it could not by opening a new room.
-    """
-    if group.members or not group.waiting:
+
+async def _refuse(ws: web.WebSocketResponse, code: str, reason: str) -> None:
+    """Tell a client why it is dropped (an error message, then the close reason)."""
+    if ws.closed:
         return
-    first = min(group.waiting.values(), key=lambda p: p.order)
-    del group.waiting[first.id]
-    first.approved = True
-    group.members[first.id] = first
-    group.host = first.id
-    await _send(first, {"type": "approved"})
+    try:
+        await ws.send_str(json.dumps(protocol.error(code, reason)))
+    except (ConnectionError, RuntimeError):
+        pass
+    await ws.close(code=CLOSE_POLICY, message=reason.encode())
 
 
 async def _send(peer: Peer, msg: dict[str, Any]) -> None:
@@ -219,10 +284,21 @@ async def broadcast(group: Group) -> None:
 def client_address(request: web.Request, trust_proxy: bool) -> str:
     if trust_proxy:
         fwd = request.headers.get("X-Forwarded-For", "")
-        first = fwd.split(",")[0].strip()
+        # a header is anyone's to write: bounded and cleaned before it is counted or logged
+        first = protocol.clean_text(fwd.split(",")[0], 64)
         if first:
             return first
     return request.remote or "unknown"
+
+
+def welcome(peer: Peer, group: Group) -> dict[str, Any]:
+    """The first message. A waiting peer learns its own id and that it waits, nothing
+    about the room: no group id, no host id (an id once opened the room's dashboard)."""
+    if not peer.approved:
+        return {"type": "welcome", "id": peer.id, "group": None, "host": None,
+                "state": "waiting"}
+    return {"type": "welcome", "id": peer.id, "group": group.id, "host": group.host,
+            "state": "member", "member_key": peer.member_key}
 
 
 async def ws_handler(request: web.Request) -> web.StreamResponse:
@@ -230,26 +306,37 @@ async def ws_handler(request: web.Request) -> web.StreamResponse:
     reg: Registry = app[REGISTRY]
     room = request.query.get("room")
     if room is not None and not protocol.valid_room(room):
-        raise web.HTTPBadRequest(text="room code must be 4-64 letters, digits, - or _")
-    name = request.query.get("name", "")[:64] or "peer"
+        raise web.HTTPBadRequest(text=f"room code must be {protocol.ROOM_RULE}")
+    name = protocol.clean_name(request.query.get("name"))
+    address = client_address(request, app[TRUST_PROXY])
     ws = web.WebSocketResponse(
         heartbeat=app[HEARTBEAT], max_msg_size=protocol.MAX_MESSAGE_BYTES * 2
     )
     await ws.prepare(request)
-    key = "room:" + room if room else "addr:" + client_address(request, app[TRUST_PROXY])
+    if not reg.connect(address):
+        if address not in reg.capped:  # once per flood, not once per connection
+            reg.capped.add(address)
+            log.warning("refusing connections from %s: over %d at once",
+                        address, reg.max_per_address)
+        await _refuse(ws, "too_many_connections",
+                      f"{TOO_MANY} (at most {reg.max_per_address} at once)")
+        return ws
+    try:
+        await _serve(reg, app, ws, room, name, address)
+    finally:
+        reg.disconnect(address)
+    return ws
+
+
+async def _serve(reg: Registry, app: web.Application, ws: web.WebSocketResponse,
+                 room: str | None, name: str, address: str) -> None:
+    key = "room:" + room if room else "addr:" + address
     rate, burst = app[RATE]
-    peer = Peer(reg.new_id(), name, ws, tokens=burst, rate=rate, burst=burst)
+    peer = Peer(reg.new_id(), name, ws, address, tokens=burst, rate=rate, burst=burst)
     group = reg.join(key, room is not None, peer)
-    await _send(
-        peer,
-        {
-            "type": "welcome",
-            "id": peer.id,
-            "group": group.id,
-            "host": group.host,
-            "state": "member" if peer.approved else "waiting",
-        },
-    )
+    log.info("peer %s (%s) joined group %s as %s", peer.id, peer.name, group.id,
+             "member" if peer.approved else "waiting")
+    await _send(peer, welcome(peer, group))
     await broadcast(group)
     try:
         async for raw in ws:
@@ -269,10 +356,16 @@ async def ws_handler(request: web.Request) -> web.StreamResponse:
                 break
     finally:
         left = reg.leave(peer)
-        if left is not None and left.id in reg.groups:
-            await promote_waiting(left)
-            await broadcast(left)
-    return ws
+        if left is not None:
+            log.info("peer %s (%s) left group %s", peer.id, peer.name, left.id)
+            stranded = reg.close_unattended(left)
+            if stranded:
+                log.info("room %s closed: no member left, %d waiting peers sent away",
+                         left.id, len(stranded))
+            for p in stranded:
+                await _refuse(p.ws, "room_closed", ROOM_CLOSED)
+            if left.id in reg.groups:
+                await broadcast(left)
 
 
 async def _reply_error(peer: Peer, code: str, message: str) -> None:
@@ -302,9 +395,9 @@ async def handle(reg: Registry, peer: Peer, group: Group, msg: dict[str, Any]) -
             await _reply_error(peer, "unknown_peer", "no such waiting peer")
             return
         if kind == "approve":
-            other.approved = True
-            group.members[other.id] = other
-            await _send(other, {"type": "approved"})
+            group.admit(other)
+            await _send(other, {"type": "approved", "group": group.id,
+                                "member_key": other.member_key})
         else:
             reg.peers.pop(other.id, None)
             await _send(other, {"type": "denied"})
@@ -319,6 +412,14 @@ async def handle(reg: Registry, peer: Peer, group: Group, msg: dict[str, Any]) -
 async def healthz(request: web.Request) -> web.Response:
     reg: Registry = request.app[REGISTRY]
     return web.json_response({"ok": True, "groups": len(reg.groups), "peers": len(reg.peers)})
+
+
+def _may_view(group: Group, request: web.Request) -> tuple[bool, bool]:
+    """(may see the group, holds the host key). A private room is shown only to the host
+    key and to the dashboard secret of a current member; ids are no credentials."""
+    host_view = key_ok(group, request.query.get("key"))
+    member_view = group.member_key_ok(request.query.get("member"))
+    return (not group.private or host_view or member_view), host_view
 
 
 def _group_info(group: Group, host_view: bool = False) -> dict[str, Any]:
@@ -362,8 +463,8 @@ async def group_detail(request: web.Request) -> web.Response:
     group = reg.groups.get(request.match_info["gid"])
     if group is None:
         raise web.HTTPNotFound(text="no such group")
-    host_view = key_ok(group, request.query.get("key"))
-    if group.private and not host_view and request.query.get("peer") not in group.members:
+    allowed, host_view = _may_view(group, request)
+    if not allowed:
         raise web.HTTPNotFound(text="no such group")
     return _no_store(web.json_response(_group_info(group, host_view)))
 
@@ -372,20 +473,19 @@ def _room(request: web.Request) -> Group | None:
     code = request.match_info["code"]
     if not protocol.valid_room(code):
         return None
-    group = request.app[REGISTRY].groups.get(group_id_for("room:" + code))
-    return group if group is not None and group.private else None
+    return request.app[REGISTRY].room(code)
 
 
 async def room_detail(request: web.Request) -> web.Response:
-    """A private room by code, for its host-key holder or one of its members (else 404).
+    """A private room by code, for its host-key holder or a member's key (else 404).
 
     Knowing the code is not enough: anyone may knock with it, only members may look.
     """
     group = _room(request)
     if group is None:
         raise web.HTTPNotFound(text="no such room")
-    host_view = key_ok(group, request.query.get("key"))
-    if not host_view and request.query.get("peer") not in group.members:
+    allowed, host_view = _may_view(group, request)
+    if not allowed:
         raise web.HTTPNotFound(text="no such room")
     return _no_store(web.json_response(_group_info(group, host_view)))
 
@@ -407,7 +507,7 @@ async def decide(request: web.Request) -> web.Response:
     if group is None or not key_ok(group, body.get("key")):
         raise web.HTTPForbidden(text="a valid host key is required")
     pid, approve = body.get("id"), body.get("approve")
-    if not isinstance(pid, str) or not protocol.ID_RE.match(pid) or not isinstance(approve, bool):
+    if not protocol.valid_peer_id(pid) or not isinstance(approve, bool):
         raise web.HTTPBadRequest(text="id must be a peer id and approve a boolean")
     if pid not in group.waiting:
         raise web.HTTPNotFound(text="no such waiting peer")
@@ -471,10 +571,12 @@ def create_app(
     fineweb: Any = None,
     rate_per_s: float = RATE_PER_S,
     rate_burst: float = RATE_BURST,
+    max_per_address: int = MAX_PER_ADDRESS,
     **kw: Any,
 ) -> web.Application:
     """``heartbeat``: ping interval in seconds (None: no pings); ``rate_per_s``/``rate_burst``:
-    each connection's message token bucket. ``data_source="fineweb"``: /data reads
+    each connection's message token bucket; ``max_per_address``: open WebSockets allowed
+    per client address (more are closed at once). ``data_source="fineweb"``: /data reads
     FineWeb-Edu from ``hf_endpoint`` (default the Hub's), falling back to the built-in
     corpus; ``fineweb`` injects a ready reader (tests).
     """
@@ -482,8 +584,11 @@ def create_app(
         raise ValueError(f"data_source must be 'fineweb' or 'builtin', not {data_source!r}")
     if not (rate_per_s > 0 and rate_burst >= 1):
         raise ValueError("rate_per_s must be > 0 and rate_burst >= 1")
+    if isinstance(max_per_address, bool) or not isinstance(max_per_address, int) or (
+            max_per_address < 1):
+        raise ValueError(f"max_per_address must be an integer >= 1, not {max_per_address!r}")
     app = web.Application()
-    app[REGISTRY] = Registry()
+    app[REGISTRY] = Registry(max_per_address)
     app[TRUST_PROXY] = trust_proxy
     app[HEARTBEAT] = heartbeat
     app[RATE] = (float(rate_per_s), float(rate_burst))

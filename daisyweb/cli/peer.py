@@ -25,7 +25,7 @@ from urllib.parse import urlsplit
 # Both pure Python, so flag errors stay instant. daisyweb.rules.DEFAULTS is the one set of
 # run defaults (also daisyweb.training.config.DEFAULTS, and daisyweb-demo's).
 from daisyweb.rules import CODEC_NAMES, DEFAULTS, FIELD_RULES, check_heads
-from signaling.protocol import valid_room  # the signaling server's own room rule
+from signaling.protocol import ROOM_RULE, valid_room  # the server's own room rule
 
 __all__ = ["DEFAULTS", "build_parser", "parse_args", "main"]
 
@@ -130,7 +130,7 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     except ValueError:
         parser.error(f"--server has a bad port: {args.server!r}")
     if not valid_room(args.room):
-        parser.error("--room must be 4-64 characters of A-Z a-z 0-9 _ -")
+        parser.error(f"--room must be {ROOM_RULE}, got {args.room[:80]!r}")
     given = [f for f in _RUN_FLAGS if getattr(args, f) is not None]
     if not args.start:
         if given:

@@ -283,11 +283,13 @@ async def test_room_view_needs_key_or_member_id(srv: Server) -> None:
     assert (await srv.get("/api/rooms/see-me"))[0] == 404
     assert (await srv.get("/api/rooms/see-me", key="nope"))[0] == 404
     assert (await srv.get("/api/rooms/see-me", peer=wg["id"]))[0] == 404
+    assert (await srv.get("/api/rooms/see-me", peer=wh["id"]))[0] == 404  # ids open nothing
     assert (await srv.get(f"/api/groups/{wh['group']}", key="nope"))[0] == 404
+    assert (await srv.get(f"/api/groups/{wh['group']}", member="nope"))[0] == 404
     code, groups = await srv.get("/api/groups")
     assert wh["group"] not in json.dumps(groups)
     # a member sees the room and the waiting count, not who is waiting
-    code, info = await srv.get("/api/rooms/see-me", peer=wh["id"])
+    code, info = await srv.get("/api/rooms/see-me", member=wh["member_key"])
     assert code == 200 and info["waiting"] == 1 and info["can_decide"] is False
     assert "waiting_peers" not in info and "guest" not in json.dumps(info)
     # the key holder also sees the waiting peers' names

@@ -78,42 +78,49 @@ async def test_new_host_gets_the_waiting_list(srv):
     await knock.close()
 
 
-async def test_last_member_leaving_makes_the_longest_waiting_peer_host(srv):
+async def closed_with_reason(ws) -> tuple[dict, aiohttp.WSMessage]:
+    """The error a dropped client is sent, then its close frame (with code and reason)."""
+    err = await recv(ws, "error")
+    while True:
+        msg = await asyncio.wait_for(ws.receive(), 2.0)
+        if msg.type in (aiohttp.WSMsgType.CLOSE, aiohttp.WSMsgType.CLOSED):
+            return err, msg
+        assert msg.type == aiohttp.WSMsgType.TEXT and msg.json()["type"] != "approved", msg
+
+
+async def test_last_member_leaving_closes_the_room_for_waiting_peers(srv):
     host = await srv.ws(room="strand-me", name="h")
     await recv(host, "welcome")
     await host.send_json({"type": "status", "step": 7, "loss": 2.5, "hash": "ab", "peers": 1})
     first = await srv.ws(room="strand-me", name="first")
-    wf = await recv(first, "welcome")
     later = await srv.ws(room="strand-me", name="later")
-    wl = await recv(later, "welcome")
-    assert wf["state"] == wl["state"] == "waiting"
+    assert (await recv(first, "welcome"))["state"] == (await recv(later, "welcome"))["state"]
     await recv(host, "waiting")
     await host.close()
 
-    await recv(first, "approved")
-    key = (await recv(first, "host_key"))["key"]  # the dashboard secret comes first
-    peers = await recv(first, "peers")
-    assert peers["host"] == wf["id"] and peers["peers"] == [{"id": wf["id"], "name": "first"}]
-    waiting = await recv(first, "waiting")
-    assert waiting["peers"] == [{"id": wl["id"], "name": "later"}]
-    # the later peer still waits: not approved and shown nothing
-    await silent(later, {"approved", "peers", "host_key"})
-    group = srv.app[REGISTRY].groups[wf["group"]]
-    assert wl["id"] in group.waiting and group.host == wf["id"]
+    # nobody is left who may admit them: both are sent away with the reason, neither
+    # becomes host (a waiting peer taking over could admit anyone under the code)
+    for ws in (first, later):
+        err, close = await closed_with_reason(ws)
+        assert err["code"] == "room_closed" and "has left" in err["message"]
+        assert close.type == aiohttp.WSMsgType.CLOSE and close.data == 1008
+        assert "room is closed" in close.extra
+    reg = srv.app[REGISTRY]
+    for _ in range(50):
+        if not reg.peers:
+            break
+        await asyncio.sleep(0.02)
+    assert reg.groups == {} and reg.peers == {}
 
-    # the new host inherits nothing of the old run: no status, no history
-    async with srv.session.get(
-        f"{srv.url}/api/rooms/strand-me", params={"key": key}
-    ) as r:
+    # the next knock opens a new room: its first peer hosts it and sees nothing of the old
+    again = await srv.ws(room="strand-me", name="again")
+    w = await recv(again, "welcome")
+    assert w["state"] == "member" and w["host"] == w["id"]
+    key = (await recv(again, "host_key"))["key"]
+    async with srv.session.get(f"{srv.url}/api/rooms/strand-me", params={"key": key}) as r:
         info = await r.json()
     assert info["status"] is None and info["reports"] == {} and info["history"] == {}
-    assert info["waiting_peers"] == [{"id": wl["id"], "name": "later"}]
-
-    await first.send_json({"type": "approve", "id": wl["id"]})
-    await recv(later, "approved")
-    assert (await recv(later, "peers"))["host"] == wf["id"]
-    await first.close()
-    await later.close()
+    await again.close()
 
 
 async def test_no_waiting_peer_means_the_room_goes_away(srv):

@@ -129,6 +129,9 @@ async def test_room_approval_denial_and_waiting_isolation(srv):
     async with srv.session.get(srv.url + f"/api/groups/{wh['group']}") as r:
         assert r.status == 404  # private without a member id
     async with srv.session.get(srv.url + f"/api/groups/{wh['group']}?peer={wh['id']}") as r:
+        assert r.status == 404  # an id is no credential
+    url = srv.url + f"/api/groups/{wh['group']}?member={wh['member_key']}"
+    async with srv.session.get(url) as r:
         info = await r.json()
     assert [m["id"] for m in info["members"]] == [wh["id"]] and info["waiting"] == 1
     # non-host cannot approve
