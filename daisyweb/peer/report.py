@@ -122,7 +122,11 @@ class Report:
             await status.report_status(
                 step=done, loss=self.last_loss,
                 hash=c.weight_hash[:16], peers=len(c.roster),
-                tokens_per_s=float(tokens_per_s), probe=c.probe_hash[:16], state="training")
+                tokens_per_s=float(tokens_per_s), probe=c.probe_hash[:16], state="training",
+                mode=mode(run), round=c.step + 1,
+                comm_share=min(max(comm_share, 0.0), 1.0),  # the server refuses outside 0..1
+                **({"heldout_loss": heldout[0]}
+                   if heldout is not None and 0.0 <= heldout[0] < math.inf else {}))
 
     def _maybe_evaluate(self, state: TrainState, done: int) -> tuple[float, float] | None:
         """Held-out loss and its seconds when ``--eval-every`` says so (else None).
@@ -166,7 +170,7 @@ class Report:
             await status.report_status(
                 step=state.step, loss=self.last_loss, hash=end["weight_hash"][:16],
                 peers=self.last_peers, state="done" if code == 0 else "halted",
-                **self.last_extra)
+                mode=mode(state.run), **self.last_extra)
         if code == 0:
             log(f"done at step {state.step}, weight hash {end['weight_hash'][:16]}"
                 + (f", saved {saved}" if saved else ""))

@@ -1,0 +1,86 @@
+"""The peer's own status reports (``daisyweb.peer.report``) pass the server's decoder and
+carry issue 13's dashboard fields: mode, round, comm share and, after an evaluation, the
+held-out loss. A report the server refused would count toward the 20 errors after which
+it drops the peer's signaling connection, so every value must stay in the server's range.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from pathlib import Path
+from types import SimpleNamespace
+
+from daisyweb.data import default_tokenizer
+from daisyweb.model import ModelConfig
+from daisyweb.peer.options import PeerOptions
+from daisyweb.peer.report import Report
+from daisyweb.protocol.actions import Commit
+from daisyweb.training.config import RunConfig
+from daisyweb.training.state import TrainState
+from signaling import protocol
+
+
+class Sink:
+    """A stand-in for the mesh: what reaches the server is what decode() makes of it."""
+
+    def __init__(self) -> None:
+        self.decoded: list[dict] = []
+
+    async def report_status(self, **fields: object) -> None:
+        self.decoded.append(protocol.decode(json.dumps(protocol.status(fields))))
+
+
+def _state(sync_every: int) -> TrainState:
+    model = ModelConfig(vocab=default_tokenizer().vocab_size, width=16, layers=1, heads=2,
+                        seq=16)
+    run = RunConfig(model=model, batch=2, steps=64, lr=0.01, seed=3, sync_every=sync_every,
+                    codec="int8" if sync_every > 1 else "f32")
+    return TrainState.fresh(run)
+
+
+def _report(tmp: Path, eval_every: int = 0) -> Report:
+    opts = PeerOptions(server="http://127.0.0.1:1", metrics=str(tmp / "m.jsonl"),
+                       progress=False, eval_every=eval_every)
+    return Report(opts, tokinfo=None)  # type: ignore[arg-type]  # no save, no tokenizer
+
+
+async def _commit(report: Report, state: TrainState, index: int, inner: int,
+                  sink: Sink) -> None:
+    trainer = SimpleNamespace(inner_steps=(index + 1) * inner, steps_in=lambda _i: inner)
+    c = Commit(index, ("0a", "0b"), 3.25, "ab" * 32, "cd" * 32)
+    await report.commit(c, trainer, state, SimpleNamespace(bytes_sent=0), 2, sink)
+
+
+async def test_round_reports_carry_mode_round_comm_share_and_heldout(tmp_path: Path) -> None:
+    state = _state(sync_every=32)
+    report = _report(tmp_path, eval_every=32)
+    report.begin(state)
+    sink = Sink()
+    report.computing(0)
+    report.gradient_ready(0, 0.01, time.monotonic())
+    await _commit(report, state, 0, 32, sink)  # optimizer step 32: an evaluation is due
+    await _commit(report, state, 1, 32, sink)  # step 64: again
+    first, second = sink.decoded
+    assert (first["mode"], first["round"], first["step"]) == ("rounds H=32 int8", 1, 32)
+    assert second["round"] == 2 and 0.0 <= first["comm_share"] <= 1.0
+    assert first["heldout_loss"] > 0 and second["heldout_loss"] > 0  # evaluated, in range
+    assert first["state"] == "training"
+    await report.finish((0, "done"), state, "ef" * 32, sink)
+    assert sink.decoded[-1]["state"] == "done" and sink.decoded[-1]["mode"] == "rounds H=32 int8"
+    report.close()
+
+
+async def test_lockstep_report_without_evaluation_has_no_heldout(tmp_path: Path) -> None:
+    state = _state(sync_every=1)
+    report = _report(tmp_path)
+    report.begin(state)
+    sink = Sink()
+    # a gradient "ready" before its step started would give a share above 1: clamped
+    report.computing(0)
+    report.gradient_ready(0, 0.0, time.monotonic() - 10.0)
+    await _commit(report, state, 0, 1, sink)
+    (msg,) = sink.decoded
+    assert (msg["mode"], msg["round"], msg["comm_share"]) == ("lockstep f32", 1, 1.0)
+    assert "heldout_loss" not in msg
+    report.close()
