@@ -1,18 +1,22 @@
 // daisyweb dashboard: polls the signaling server's JSON API and draws what it holds.
 // No build step and no outside files. Every value from the server (peer names above all)
-// goes into the page through textContent / setAttribute, never as HTML.
+// goes into the page through textContent / setAttribute, never as HTML, and every string a
+// peer chose is shown through clip(): cleaned and bounded again, whatever the server did.
 "use strict";
 
 const params = new URLSearchParams(location.search);
 const ROOM = params.get("room");
 const GROUP = params.get("group");
 const KEY = params.get("key"); // the host's one-time link secret; only sent to this server
-const PEER = params.get("peer");
+const MEMBER = params.get("member"); // a member's own view secret (not its id)
 const POLL_MS = Math.max(100, Number(params.get("poll")) || 1000);
 const COLORS = ["#1f77b4", "#d62728", "#2ca02c", "#ff7f0e", "#9467bd", "#8c564b", "#e377c2",
   "#17becf", "#7f7f7f", "#bcbd22"];
 const SVG_NS = "http://www.w3.org/2000/svg";
 const CHART = { w: 640, h: 220, left: 48, right: 10, top: 10, bottom: 24 };
+
+const MAX_NAME = 64; // the server's bound on names (signaling.protocol.MAX_NAME_CHARS)
+const MAX_FIELD = 48; // and on status strings (mode; hash and probe are shorter)
 
 const $ = (id) => document.getElementById(id);
 const pending = new Set(); // waiting ids whose decision was sent, until the host acts
@@ -29,6 +33,18 @@ function svg(tag, attrs) {
   for (const [k, v] of Object.entries(attrs || {})) e.setAttribute(k, String(v));
   return e;
 }
+
+// Control, format and separator characters (ANSI escapes start with one) never reach
+// the page; long strings are cut with an ellipsis.
+const HIDDEN = /[\p{Cc}\p{Cf}\p{Cs}\p{Zl}\p{Zp}]/gu;
+
+function clip(text, max) {
+  const s = String(text ?? "").replace(HIDDEN, "");
+  const chars = [...s];
+  return chars.length > max ? chars.slice(0, max - 1).join("") + "…" : s;
+}
+
+const isNum = (x) => typeof x === "number" && isFinite(x);
 
 function fmt(x, digits) {
   return typeof x === "number" && isFinite(x) ? x.toFixed(digits) : "–";
@@ -77,7 +93,7 @@ async function refreshOverview() {
 function detailURL() {
   const q = new URLSearchParams();
   if (KEY) q.set("key", KEY);
-  if (PEER) q.set("peer", PEER);
+  if (MEMBER) q.set("member", MEMBER);
   const base = ROOM ? "/api/rooms/" + encodeURIComponent(ROOM) : "/api/groups/" +
     encodeURIComponent(GROUP);
   return base + (q.toString() ? "?" + q : "");
@@ -136,6 +152,29 @@ function runState(reports) {
   if (!names.length) return "–";
   if (names.length === 1) return names[0];
   return names.map((n) => n + " (" + counts[n] + ")").join(", ");
+}
+
+// Issue 13's fields: the exchange mode, the newest round, the mean share of time spent
+// communicating, and the newest held-out loss with the step it was measured at.
+function roundFields(reports) {
+  const rs = Object.values(reports);
+  const modes = [...new Set(rs.map((r) => r.mode).filter((m) => typeof m === "string"))];
+  const rounds = rs.map((r) => r.round).filter(isNum);
+  const shares = rs.map((r) => r.comm_share).filter(isNum);
+  const evals = rs.filter((r) => isNum(r.heldout_loss))
+    .sort((a, b) => (b.heldout_step ?? b.step) - (a.heldout_step ?? a.step));
+  const newest = evals[0];
+  return {
+    mode: modes.length ? modes.map((m) => clip(m, MAX_FIELD)).join(", ") : "–",
+    round: rounds.length ? String(Math.max(...rounds)) : "–",
+    comm: shares.length ? pct(shares.reduce((s, x) => s + x, 0) / shares.length) : "–",
+    heldout: newest ? fmt(newest.heldout_loss, 4) +
+      (isNum(newest.heldout_step) ? " (step " + newest.heldout_step + ")" : "") : "–",
+  };
+}
+
+function pct(share) {
+  return isNum(share) ? (share * 100).toFixed(0) + "%" : "–";
 }
 
 function drawChart(info, colorOf) {
@@ -217,7 +256,7 @@ function drawWaiting(info) {
   for (const w of waiting) {
     const row = el("div", null, "waiting-row");
     row.dataset.peer = w.id;
-    row.append(el("span", w.name, "name"), el("code", w.id));
+    row.append(el("span", clip(w.name, MAX_NAME), "name"), el("code", w.id));
     for (const approve of [true, false]) {
       const b = el("button", approve ? "Accept" : "Deny", approve ? "accept" : "deny");
       b.disabled = pending.has(w.id);
@@ -230,7 +269,8 @@ function drawWaiting(info) {
 
 async function decide(peer, approve) {
   pending.add(peer.id);
-  for (const b of document.querySelectorAll(`.waiting-row[data-peer="${peer.id}"] button`)) {
+  const sel = `.waiting-row[data-peer="${CSS.escape(peer.id)}"] button`;
+  for (const b of document.querySelectorAll(sel)) {
     b.disabled = true;
   }
   const msg = $("decision-msg");
@@ -240,8 +280,8 @@ async function decide(peer, approve) {
       headers: { "Content-Type": "application/json" },
       body: JSON.stringify({ key: KEY, id: peer.id, approve }),
     });
-    if (!r.ok) throw new Error((await r.text()) || "HTTP " + r.status);
-    msg.textContent = (approve ? "Accept" : "Deny") + " for " + peer.name +
+    if (!r.ok) throw new Error(clip(await r.text(), 200) || "HTTP " + r.status);
+    msg.textContent = (approve ? "Accept" : "Deny") + " for " + clip(peer.name, MAX_NAME) +
       " sent to the host peer.";
   } catch (e) {
     pending.delete(peer.id);
@@ -255,7 +295,7 @@ function drawGroup(info) {
     COLORS.length]);
   info.members.forEach((m) => colorOf(m.id));
   const reports = info.reports;
-  const names = Object.fromEntries(info.members.map((m) => [m.id, m.name]));
+  const names = Object.fromEntries(info.members.map((m) => [m.id, clip(m.name, MAX_NAME)]));
   $("title").textContent = (ROOM ? "Room " + ROOM : "Group " + info.id) +
     (info.can_decide ? " (host view)" : "");
   const hv = hashVerdicts(reports);
@@ -277,6 +317,11 @@ function drawGroup(info) {
   $("hash-summary").className = hv.diverged ? "diverged" : hv.summary ? "ok" : "";
   $("probe-summary").textContent = pv.summary;
   $("probe-summary").className = pv.bad ? "bad" : pv.summary === "all ok" ? "ok" : "";
+  const rf = roundFields(reports);
+  $("mode").textContent = rf.mode;
+  $("round").textContent = rf.round;
+  $("comm-share").textContent = rf.comm;
+  $("heldout").textContent = rf.heldout;
 
   const tbody = $("members").querySelector("tbody");
   tbody.replaceChildren();
@@ -287,16 +332,21 @@ function drawGroup(info) {
     const name = el("td");
     const swatch = el("i");
     swatch.style.background = colorOf(m.id);
-    name.append(swatch, el("span", m.name));
+    name.append(swatch, el("span", names[m.id]));
     const role = el("td");
     if (m.id === info.host) role.appendChild(el("span", "host", "host-tag"));
-    const hash = el("td", r ? r.hash : "–", "hash " + (r ? hv.verdict[m.id] : ""));
-    const probe = el("td", r && r.probe !== undefined ? r.probe : "–",
+    const hash = el("td", r ? clip(r.hash, MAX_FIELD) : "–", "hash " +
+      (r ? hv.verdict[m.id] : ""));
+    const probe = el("td", r && r.probe !== undefined ? clip(r.probe, MAX_FIELD) : "–",
       "probe " + (r && pv.verdict[m.id] ? pv.verdict[m.id] : ""));
     const age = r ? Math.max(0, info.now - r.t).toFixed(0) + " s ago" : "–";
     tr.append(name, el("td", m.id), role, el("td", r ? r.step : "–"),
       el("td", r ? fmt(r.loss, 4) : "–"), el("td", r ? fmt(r.tokens_per_s, 0) : "–"), hash,
-      probe, el("td", r && r.state ? r.state : "–", r && r.state === "halted" ? "bad" : ""),
+      probe, el("td", r && r.state ? clip(r.state, MAX_FIELD) : "–",
+        r && r.state === "halted" ? "bad" : ""),
+      el("td", r && isNum(r.round) ? r.round : "–", "round"),
+      el("td", r ? pct(r.comm_share) : "–", "comm"),
+      el("td", r && isNum(r.heldout_loss) ? fmt(r.heldout_loss, 4) : "–", "heldout"),
       el("td", age));
     tbody.appendChild(tr);
   }
@@ -327,7 +377,7 @@ async function refreshGroup() {
       showError("This room is gone from the server: every peer has left (a finished run " +
         "ends this way), " + (KEY
           ? "or hosting changed hands (the new host prints a new link). "
-          : "or the member named by ?peer= has left (use another member's id). ") +
+          : "or the member whose key is in ?member= has left (use another member's link). ") +
         "Below is the last state seen.");
       $("waiting").replaceChildren(el("p", "–", "hint"));
       waitingDrawn = "";
@@ -338,8 +388,9 @@ async function refreshGroup() {
       $("group").hidden = true;
       showError(ROOM
         ? "No such room, or you may not see it: a private room is shown only with the " +
-          "current host's link (it stops working when hosting changes hands) or the id " +
-          "of one of its members (?peer=ID)."
+          "current host's link (it stops working when hosting changes hands) or the " +
+          "member key the server gave one of its current members (?member=KEY); a " +
+          "member's id does not open it."
         : "No such group (it may have emptied).");
       return;
     }

@@ -2,8 +2,9 @@
 
 Fake peers are real WebSocket clients: they post status reports with a falling loss, and
 the fake host forwards the page's decisions as a real host peer does. The page must draw
-a moving loss curve, approve a waiting peer by a click with the host key, show divergence
-in red, and offer no way to approve without the key.
+a moving loss curve and the round fields, approve a waiting peer by a click with the host
+key, show divergence in red, offer no way to approve without the key, show a room to a
+member's key but never to a member's id, and show a hostile name as inert text.
 """
 
 from __future__ import annotations
@@ -21,6 +22,9 @@ from playwright.async_api import BrowserContext, async_playwright
 from signaling.server import create_app
 
 ROOM = "dash-room"
+# Markup, an ANSI colour and a bidi override: the page must show it as text, cleaned.
+HOSTILE = '<img src=x onerror="window.pwned=1">\x1b[31mmal\u202elory'
+HOSTILE_SHOWN = '<img src=x onerror="window.pwned=1">mallory'
 
 
 async def recv(ws: aiohttp.ClientWebSocketResponse, kind: str, timeout: float = 5.0) -> dict:
@@ -49,13 +53,16 @@ async def host_loop(ws: aiohttp.ClientWebSocketResponse, decisions: list[dict]) 
 async def reporter(
     ws: aiohttp.ClientWebSocketResponse, stop: asyncio.Event, steps: list[int]
 ) -> None:
-    """The host's training progress: one report per 50 ms with a falling loss."""
+    """The host's training progress: one report per 50 ms with a falling loss, in rounds
+    of 4 steps with a held-out loss every 10th step."""
     step = 0
     while not stop.is_set():
         steps.append(step)
         loss = 5.0 * math.exp(-step / 30) + 0.1 * math.sin(step)
+        extra = {"heldout_loss": loss + 0.5} if step % 10 == 0 else {}
         await ws.send_json(
-            status(step, loss, "aaaa", tokens_per_s=1500, probe="ok", state="training")
+            status(step, loss, "aaaa", tokens_per_s=1500, probe="ok", state="training",
+                   mode="rounds H=4 int8", round=step // 4 + 1, comm_share=0.25, **extra)
         )
         step += 1
         await asyncio.sleep(0.05)
@@ -72,6 +79,7 @@ class Room:
     host_id: str
     carol: aiohttp.ClientWebSocketResponse
     carol_id: str
+    carol_key: str  # her member key: what opens the room to her page
     bob: aiohttp.ClientWebSocketResponse
     bob_id: str
     stop: asyncio.Event = field(default_factory=asyncio.Event)
@@ -98,9 +106,12 @@ async def test_dashboard_in_chromium(tmp_path: Path, chromium) -> None:
         key = (await recv(host, "host_key"))["key"]
         carol, carol_id = await join("carol")
         await host.send_json({"type": "approve", "id": carol_id})
-        await recv(carol, "approved")
+        carol_key = (await recv(carol, "approved"))["member_key"]
+        mallory, mallory_id = await join(HOSTILE)
+        await host.send_json({"type": "approve", "id": mallory_id})
+        await recv(mallory, "approved")
         bob, bob_id = await join("bob")
-        room = Room(session, url, key, host, host_id, carol, carol_id, bob, bob_id)
+        room = Room(session, url, key, host, host_id, carol, carol_id, carol_key, bob, bob_id)
         tasks += [
             asyncio.create_task(host_loop(host, room.decisions)),
             asyncio.create_task(reporter(host, room.stop, room.steps)),
@@ -162,6 +173,22 @@ async def _drive(ctx: BrowserContext, room: Room, join, tmp_path: Path) -> None:
         "() => document.getElementById('run-state').textContent === 'training'", timeout=10000
     )
     assert float(await page.text_content("#tokens")) == 1500
+    # issue 13's fields: mode, newest round, mean comm share, newest held-out loss
+    await page.wait_for_function(
+        "() => /^\\d\\.\\d{4} \\(step \\d+\\)$/.test("
+        "document.getElementById('heldout').textContent)", timeout=10000)
+    assert await page.text_content("#mode") == "rounds H=4 int8"
+    assert await page.text_content("#comm-share") == "25%"
+    assert int(await page.text_content("#round")) >= 1
+    host_row = f'#members tr[data-peer="{host_id}"]'
+    assert await page.text_content(host_row + " td.comm") == "25%"
+    assert await page.text_content(host_row + " td.heldout") != "–"
+
+    # a hostile name is text: no element made of it, no script run, escapes gone
+    mal = page.locator("#members tbody tr").filter(has_text="mallory")
+    assert await mal.locator("td span").last.text_content() == HOSTILE_SHOWN
+    assert await page.locator("#members img, #legend img").count() == 0
+    assert await page.evaluate("() => window.pwned") is None
 
     # Accept bob by clicking; the decision reaches the host, which approves him
     accept = page.locator(f'.waiting-row[data-peer="{bob_id}"] button.accept')
@@ -207,7 +234,7 @@ async def _drive(ctx: BrowserContext, room: Room, join, tmp_path: Path) -> None:
     # a page without the key: watches (as a member), never approves
     watcher = await ctx.new_page()
     watcher.on("pageerror", lambda e: errors.append(str(e)))
-    await watcher.goto(f"{url}/?room={ROOM}&peer={carol_id}&poll=150")
+    await watcher.goto(f"{url}/?room={ROOM}&member={room.carol_key}&poll=150")
     await watcher.wait_for_selector(f'#members tr[data-peer="{host_id}"]', timeout=10000)
     dan, dan_id = await join("dan")
     try:
@@ -234,6 +261,11 @@ async def _drive(ctx: BrowserContext, room: Room, join, tmp_path: Path) -> None:
         await stranger.wait_for_selector("#error:not([hidden])", timeout=10000)
         assert await stranger.locator("#group").is_hidden()
         assert "bob" not in await stranger.content()
+        # nor does a member's id, which anyone in the room (and once, a waiting peer) saw
+        await stranger.goto(f"{url}/?room={ROOM}&peer={host_id}&member={host_id}&poll=150")
+        await stranger.wait_for_selector("#error:not([hidden])", timeout=10000)
+        assert await stranger.locator("#group").is_hidden()
+        assert "alice" not in await stranger.content()
         # the host's page denies dan: the host peer refuses him and the server drops him
         await page.click(f'.waiting-row[data-peer="{dan_id}"] button.deny')
         await recv(dan, "denied")

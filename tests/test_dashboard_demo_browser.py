@@ -1,7 +1,9 @@
-"""The dashboard in headless Chromium against a REAL group: server and peers are processes.
+"""The dashboard in headless Chromium against a REAL group: the peers are processes.
 
-A real ``signaling.cli`` server, a real host peer (``--approve ask`` without a terminal, so
-the dashboard decides) and real joiners over aiortc on 127.0.0.1. The host's printed link
+A real signaling server (``signaling.cli``'s app, run in this process so the test can read
+the member key the server gave the joiner: the peer does not print a member link), a real
+host peer (``--approve ask`` without a terminal, so the dashboard decides) and real
+joiners over aiortc on 127.0.0.1. The host's printed link
 is opened in Chromium; a click on Accept admits the joiner, the loss curve then moves with
 real training and both peers show the same weight-hash prefix, which must match what the
 peers themselves recorded. A member's page (no key) can watch but never approve, a forged
@@ -14,17 +16,19 @@ from __future__ import annotations
 import asyncio
 import json
 import os
-import socket
 import subprocess
 import sys
 import time
-import urllib.request
 from dataclasses import dataclass
 from pathlib import Path
 from urllib.parse import parse_qs, urlsplit
 
 import pytest
+from aiohttp import web
 from playwright.async_api import Page, async_playwright
+
+from signaling.cli import build_app, parse_args
+from signaling.server import REGISTRY
 
 ROOT = Path(__file__).resolve().parents[1]
 ROOM = "demo-dash"
@@ -36,12 +40,6 @@ MODEL = ["--width", "16", "--layers", "1", "--heads", "2", "--seq", "16", "--bat
 # while the group still trains (40 steps take >= 10 s).
 SLOW = {"DAISYWEB_TEST_STEP_DELAY": "0.25"}
 LINK_MARK = "dashboard with Accept/Deny (keep it private): "
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 @dataclass
@@ -92,27 +90,20 @@ def _spawn(procs: list[Proc], tmp: Path, name: str, args: list[str], server: str
     return p
 
 
-async def _start_server(tmp: Path) -> tuple[subprocess.Popen[bytes], str]:
-    port = _free_port()
-    log = open(tmp / "server.log", "wb")  # noqa: SIM115 - closed with the process below
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "signaling.cli", "--host", "127.0.0.1", "--port", str(port),
-         "--data", "builtin"], cwd=ROOT, stdout=log, stderr=subprocess.STDOUT)
-    log.close()  # the child holds its own copy
-    url = f"http://127.0.0.1:{port}"
-    deadline = time.monotonic() + 20
-    while True:
-        try:
-            with urllib.request.urlopen(url + "/healthz", timeout=1) as r:
-                if json.loads(r.read())["ok"]:
-                    return proc, url
-        except OSError:
-            pass
-        if proc.poll() is not None or time.monotonic() > deadline:
-            proc.kill()
-            raise AssertionError("signaling server did not start:\n"
-                                 + (tmp / "server.log").read_text())
-        await asyncio.sleep(0.1)
+async def _start_server() -> tuple[web.AppRunner, str]:
+    """The app ``daisyweb-signal --data builtin`` runs, on a free port of 127.0.0.1."""
+    runner = web.AppRunner(build_app(parse_args(["--data", "builtin"])))
+    await runner.setup()
+    site = web.TCPSite(runner, "127.0.0.1", 0)
+    await site.start()
+    return runner, f"http://127.0.0.1:{site._server.sockets[0].getsockname()[1]}"
+
+
+def _member_key(runner: web.AppRunner, peer_id: str) -> str:
+    """The key the server gave member ``peer_id`` with its admission."""
+    key = runner.app[REGISTRY].peers[peer_id][0].member_key
+    assert key, peer_id
+    return key
 
 
 async def _post_decide(page: Page, body: dict) -> int:
@@ -127,7 +118,7 @@ async def _post_decide(page: Page, body: dict) -> int:
 
 async def test_dashboard_drives_a_real_group(tmp_path: Path, chromium) -> None:
     t0 = time.monotonic()
-    server_proc, url = await _start_server(tmp_path)
+    server, url = await _start_server()
     procs: list[Proc] = []
     try:
         host = _spawn(procs, tmp_path, "host",
@@ -203,13 +194,23 @@ async def test_dashboard_drives_a_real_group(tmp_path: Path, chromium) -> None:
                 assert len(prefix) == 16
                 assert await page.locator("#members tbody tr").count() == 2
                 assert await page.text_content("#hash-summary") != "–"
+                # the real peers' mode, round and comm share (no --eval-every: no held-out)
+                assert await page.text_content("#mode") == "lockstep f32"
+                assert int(await page.text_content("#round")) >= 1
+                assert (await page.text_content("#comm-share")).endswith("%")
+                assert await page.text_content("#heldout") == "–"
                 shots.append(tmp_path / "demo-training.png")
                 await page.screenshot(path=str(shots[-1]), full_page=True)
 
-                # a member's page (no key) watches the same room but cannot approve
+                # a member's id opens nothing; its member key (no host key) watches the
+                # same room but cannot approve
                 watcher = await ctx.new_page()
                 watcher.on("pageerror", lambda e: errors.append(str(e)))
                 await watcher.goto(f"{url}/?room={ROOM}&peer={joiner_id}&poll=200")
+                await watcher.wait_for_selector("#error:not([hidden])", timeout=10000)
+                assert await watcher.locator("#group").is_hidden()
+                member = _member_key(server, joiner_id)
+                await watcher.goto(f"{url}/?room={ROOM}&member={member}&poll=200")
                 await watcher.wait_for_selector(f'#members tr[data-peer="{host_id}"]',
                                                 timeout=10000)
                 late = _spawn(procs, tmp_path, "late", [], url)
@@ -248,7 +249,7 @@ async def test_dashboard_drives_a_real_group(tmp_path: Path, chromium) -> None:
                 assert await page.locator("#waiting button").count() == 0
                 assert int(await page.text_content("#step")) >= STEPS - 2
                 await watcher.wait_for_function(
-                    "() => /member named by \\?peer= has left/.test("
+                    "() => /member whose key is in \\?member= has left/.test("
                     "document.getElementById('error').textContent)", timeout=10000)
                 assert await watcher.locator("#members tbody tr").count() == 2
                 shots.append(tmp_path / "demo-ended.png")
@@ -274,5 +275,4 @@ async def test_dashboard_drives_a_real_group(tmp_path: Path, chromium) -> None:
             if p.proc.poll() is None:
                 p.proc.kill()
                 p.proc.wait()
-        server_proc.terminate()
-        server_proc.wait(timeout=10)
+        await server.cleanup()
