@@ -32,9 +32,11 @@ from pathlib import Path
 from bench._results import machine, write_section
 from bench.rounds_sim import simulate
 from daisyweb.checkpoints.checkpoint import load_checkpoint
+from daisyweb.rules import DEFAULTS
 from daisyweb.training.evaluate import DEFAULT_BATCHES, heldout_batches, heldout_loss
 
 ROOT = Path(__file__).resolve().parent.parent
+STEP_TOKENS = int(DEFAULTS["batch"]) * int(DEFAULTS["seq"])  # one peer's tokens per step
 ENV = dict(os.environ, OPENBLAS_NUM_THREADS="1", PYTHONUNBUFFERED="1")
 MODES = [  # (label, sync_every, codec)
     ("lockstep f32", 1, "f32"),
@@ -64,7 +66,7 @@ def one_peer(steps: int, tmp: Path) -> dict:
     subprocess.run(cmd, cwd=tmp, env=ENV, check=True, capture_output=True, timeout=1800)
     recs = [r for r in _records(metrics) if "compute_s" in r]
     secs = sum(r["compute_s"] for r in recs)
-    return {"train_s": secs, "tokens_per_s": len(recs) * 8 * 64 / secs, "ckpt": ckpt}
+    return {"train_s": secs, "tokens_per_s": len(recs) * STEP_TOKENS / secs, "ckpt": ckpt}
 
 
 def two_peers(steps: int, sync_every: int, codec: str, tmp: Path, tag: str,
@@ -90,13 +92,15 @@ def two_peers(steps: int, sync_every: int, codec: str, tmp: Path, tag: str,
         base = [sys.executable, "-m", "daisyweb.cli.peer", "--server", url, "--room", room,
                 "--ice-host", "127.0.0.1", "--approve", "auto", "--join-timeout", "60"]
         metrics, ckpt = tmp / f"{tag}.jsonl", tmp / f"{tag}.pt"
+        follower_metrics = tmp / f"{tag}-follower.jsonl"
         lead = base + ["--start", "--wait-peers", "2", "--steps", str(steps),
                        "--sync-every", str(sync_every), "--codec", codec,
                        "--metrics", str(metrics), "--save", str(ckpt), *extra]
         procs.append(subprocess.Popen(["taskset", "-c", "0", *lead], cwd=tmp, env=ENV,
                                       stdout=subprocess.DEVNULL, stderr=subprocess.PIPE))
         time.sleep(1.0)  # the room's first peer is its host
-        procs.append(subprocess.Popen(["taskset", "-c", "1", *base], cwd=tmp, env=ENV,
+        follow = base + ["--metrics", str(follower_metrics)]
+        procs.append(subprocess.Popen(["taskset", "-c", "1", *follow], cwd=tmp, env=ENV,
                                       stdout=subprocess.DEVNULL, stderr=subprocess.PIPE))
         for p in procs:
             _, err = p.communicate(timeout=3600)
@@ -115,13 +119,29 @@ def two_peers(steps: int, sync_every: int, codec: str, tmp: Path, tag: str,
     steps = recs[-1]["step"] - recs[0]["step"]
     return {
         "train_s": sum(r["wall_s"] for r in recs),
-        "tokens_per_s": steps * 8 * 64 * 2 / wall,
+        "tokens_per_s": steps * STEP_TOKENS * 2 / wall,
         "comm_share": sum(r["comm_s"] for r in steady) / wall,
         "bytes_per_exchange": recs[-1]["bytes_sent"] / recs[-1]["round"],
         "compute_per_step": sum(r["compute_s"] for r in steady) / steps,
         "ckpt": ckpt,
         "records": recs,
+        **_exchange_split(steady, [r for r in _records(follower_metrics) if "round" in r][1:]),
     }
+
+
+def _exchange_split(lead: list[dict], follow: list[dict]) -> dict[str, float]:
+    """Seconds per exchange spent moving bytes vs waiting for the slower peer's compute.
+
+    Each peer's ``comm_s`` runs from its own contribution being ready to the roster's
+    all present. The slower peer only waits for the last bytes (transfer); the faster
+    one waits that long plus the difference in their compute (skew).
+    """
+    pairs = [(a["comm_s"], b["comm_s"]) for a, b in zip(lead, follow, strict=False)
+             if a["round"] == b["round"]]
+    if not pairs:
+        return {"transfer_s": math.nan, "skew_s": math.nan}
+    return {"transfer_s": sum(min(p) for p in pairs) / len(pairs),
+            "skew_s": sum(max(p) - min(p) for p in pairs) / len(pairs)}
 
 
 def held_out(path: Path) -> float:
@@ -189,14 +209,16 @@ def main() -> None:
         print(f"sim {label}: held-out {sims[label].final:.3f}", flush=True)
 
     solo_tps = solo["tokens_per_s"]
-    rows = ["| mode | group tok/s | vs one peer | comm share | payload bytes per peer per "
-            "1,000 trained tokens | vs lockstep f32 |", "|---|---:|---:|---:|---:|---:|"]
+    rows = ["| mode | group tok/s | vs one peer | comm share | transfer s per exchange | "
+            "waiting for the slower peer s | payload bytes per peer per 1,000 trained tokens "
+            "| vs lockstep f32 |", "|---|---:|---:|---:|---:|---:|---:|---:|"]
     base_bpt = None
     for r in real:
-        bpt = r["bytes_per_exchange"] / (r["h"] * 8 * 64) * 1000  # one link (N = 2)
+        bpt = r["bytes_per_exchange"] / (r["h"] * STEP_TOKENS) * 1000  # one link (N = 2)
         base_bpt = base_bpt or bpt
         rows.append(f"| {r['label']} | {r['tokens_per_s']:,.0f} | "
                     f"{r['tokens_per_s'] / solo_tps:.2f}x | {r['comm_share']:.0%} | "
+                    f"{r['transfer_s']:.3f} | {r['skew_s']:.3f} | "
                     f"{bpt:,.0f} | {base_bpt / bpt:.0f}x fewer |")
     one = sims["one peer"]
     sim_rows = ["| mode | held-out loss after 300 steps per peer (600 x 512 tokens in all) "
@@ -219,9 +241,11 @@ def main() -> None:
         "",
         f"Command: `python -m bench.scaling{' --quick' if quick else ''}`. Machine: {machine()}.",
         "Each process pinned to its own core with `taskset`, `OPENBLAS_NUM_THREADS=1`; the "
-        "signaling server shares the cores; default model (1.3 M parameters), batch 8 x 64 "
-        "tokens per peer per step, aiortc data channels on 127.0.0.1. Rates leave out the "
-        "first exchange (link warm-up).",
+        "signaling server shares the cores; default model (1.3 M parameters), batch "
+        f"{DEFAULTS['batch']} x {DEFAULTS['seq']} tokens per peer per step, aiortc data "
+        "channels on 127.0.0.1. Rates leave out the first exchange (link warm-up). Transfer "
+        "vs waiting: per exchange, the slower peer's wait (the last bytes) and how much "
+        "longer the faster peer waited (the two peers' compute differing).",
         "",
         f"One peer alone (`daisyweb-demo --peers 1`, core 0): {solo_tps:,.0f} tokens/s.",
         "",
