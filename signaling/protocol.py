@@ -152,6 +152,8 @@ def _status_extras(msg: dict) -> dict[str, Any]:
         out["comm_share"] = _number_in(msg, "comm_share", 0.0, 1.0)
     if "heldout_loss" in msg:
         out["heldout_loss"] = _number_in(msg, "heldout_loss", 0.0, MAX_LOSS)
+    if "heldout_step" in msg:  # the step the held-out loss was evaluated at
+        out["heldout_step"] = _int_in(msg, "heldout_step", 0, MAX_STEP)
     return out
 
 

@@ -100,8 +100,8 @@ class Group:
         return [{"id": p.id, "name": p.name} for p in self.members.values()]
 
     def record(self, peer_id: str, report: dict[str, Any]) -> None:
-        if "heldout_loss" in report:
-            report["heldout_step"] = report["step"]
+        if "heldout_loss" in report:  # a peer resends its last one: it says its step
+            report.setdefault("heldout_step", report["step"])
         previous = self.reports.get(peer_id, {})
         for name in STICKY_FIELDS:
             if name not in report and name in previous:

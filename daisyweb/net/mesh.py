@@ -191,6 +191,10 @@ class Mesh:
         """The host's dashboard approval link, once the server sent a host key."""
         return self._signaling.host_link()
 
+    def member_link(self) -> str | None:
+        """This member's dashboard view of a private room, once admitted."""
+        return self._signaling.member_link()
+
     async def close(self) -> None:
         """Close every connection and the signaling socket. Idempotent."""
         if self._closed:

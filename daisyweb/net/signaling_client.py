@@ -81,6 +81,7 @@ class SignalingClient:
         self.host: str | None = None
         self.members: tuple[str, ...] = ()
         self.host_key: str | None = None
+        self.member_key: str | None = None  # our own (read-only) dashboard view of the room
         self.up = False  # the socket is open and being read
 
         self._session: aiohttp.ClientSession | None = None
@@ -173,11 +174,22 @@ class SignalingClient:
 
     def host_link(self) -> str | None:
         """The host's dashboard approval link, once the server sent a host key."""
-        if self.host_key is None or self.room is None:
+        if self.host_key is None:
+            return None
+        return self._room_link("key", self.host_key)
+
+    def member_link(self) -> str | None:
+        """This member's own view of a private room's dashboard (no Accept/Deny)."""
+        if self.member_key is None:
+            return None
+        return self._room_link("member", self.member_key)
+
+    def _room_link(self, name: str, secret: str) -> str | None:
+        if self.room is None:
             return None
         parts = urlsplit(self.url)
         scheme = "https" if parts.scheme == "wss" else "http"
-        return f"{scheme}://{parts.netloc}/?room={self.room}&key={self.host_key}"
+        return f"{scheme}://{parts.netloc}/?room={self.room}&{name}={secret}"
 
     async def _send(self, msg: dict[str, Any]) -> None:
         ws = self._ws
@@ -251,11 +263,13 @@ class SignalingClient:
             self.self_id = msg.id
             self.group = msg.group
             self.host = msg.host
+            self.member_key = msg.member_key or self.member_key
             if msg.member:
                 self._admit()  # members come in the ``peers`` broadcast that follows
             else:
                 log.info("waiting for the host to approve %s", self.self_id)
         elif isinstance(msg, protocol.Approved):
+            self.member_key = msg.member_key or self.member_key
             self._admit()
         elif isinstance(msg, protocol.Denied):
             self._admit(JoinDenied(f"the host of {self._where()} denied this peer"))

@@ -154,13 +154,19 @@ class Driver:
             await self.queue.put(MeshItem(ev))
 
     async def _announce_host_link(self) -> None:
-        """Print the dashboard approval link whenever this peer gets (new) hosting."""
+        """Print the dashboard approval link whenever this peer gets (new) hosting, and
+        a member's own dashboard link once (a private room shows only to its members)."""
         shown = None
+        member_shown = False
         while True:
             link = self._host_link()
             if link is not None and link != shown:
                 shown = link
                 log(f"hosting this room; dashboard with Accept/Deny (keep it private): {link}")
+            member = getattr(getattr(self, "mesh", None), "member_link", lambda: None)()
+            if link is None and member is not None and not member_shown:
+                member_shown = True
+                log(f"dashboard of this room (keep it private): {member}")
             await asyncio.sleep(0.5)
 
     async def _ticker(self) -> None:

@@ -46,6 +46,8 @@ class Report:
         self.last_extra: dict[str, float | str] = {}  # tokens_per_s and probe of the last step
         self.last_saved = -1
         self.last_eval = -1
+        # The last held-out loss and its step, sent with every status (reports coalesce).
+        self.last_heldout: tuple[float, int] | None = None
         self._eval_batches: list[np.ndarray] | None = None
         self.step_t0: dict[int, float] = {}
         self.compute_s: dict[int, float] = {}
@@ -101,6 +103,8 @@ class Report:
         }
         if heldout is not None:
             record["heldout_loss"], record["eval_s"] = heldout
+            if 0.0 <= heldout[0] < math.inf:
+                self.last_heldout = (heldout[0], done)
         if c.rollback:
             record["rollback"] = True
         self.metrics.write(record)
@@ -125,8 +129,11 @@ class Report:
                 tokens_per_s=float(tokens_per_s), probe=c.probe_hash[:16], state="training",
                 mode=mode(run), round=c.step + 1,
                 comm_share=min(max(comm_share, 0.0), 1.0),  # the server refuses outside 0..1
-                **({"heldout_loss": heldout[0]}
-                   if heldout is not None and 0.0 <= heldout[0] < math.inf else {}))
+                # Every report, not just the evaluated one: the client coalesces reports
+                # (the latest wins), which would otherwise drop it in a fast run.
+                **({"heldout_loss": self.last_heldout[0],
+                    "heldout_step": self.last_heldout[1]}
+                   if self.last_heldout is not None else {}))
 
     def _maybe_evaluate(self, state: TrainState, done: int) -> tuple[float, float] | None:
         """Held-out loss and its seconds when ``--eval-every`` says so (else None).

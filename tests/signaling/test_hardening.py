@@ -217,6 +217,7 @@ def test_round_fields_decoded() -> None:
     {"comm_share": "0.5"}, {"comm_share": 10 ** 400},
     {"heldout_loss": -0.5}, {"heldout_loss": float("inf")},
     {"heldout_loss": protocol.MAX_LOSS * 2}, {"heldout_loss": None},
+    {"heldout_step": -1}, {"heldout_step": 10 ** 400}, {"heldout_step": "32"},
 ])
 def test_round_fields_refused_when_bad(extra: dict) -> None:
     with pytest.raises(protocol.ProtocolError) as e:
@@ -244,6 +245,11 @@ async def test_round_fields_stored_shown_and_kept_until_replaced(srv: Server) ->
     _, info = await srv.get(f"/api/groups/{wa['group']}")
     assert (info["reports"][me]["heldout_loss"], info["reports"][me]["heldout_step"]) == (
         5.25, 96)
+    # a peer resending its last held-out loss says which step it belongs to
+    await a.send_json(STATUS | {"step": 128, "heldout_loss": 5.25, "heldout_step": 96})
+    await settle(lambda: srv.reg.groups[wa["group"]].reports[me]["step"] == 128)
+    _, info = await srv.get(f"/api/groups/{wa['group']}")
+    assert info["reports"][me]["heldout_step"] == 96
     await a.send_json(STATUS | {"comm_share": 2})  # refused: nothing of it kept
     assert (await recv(a, "error"))["code"] == "bad_field"
     assert srv.reg.groups[wa["group"]].reports[me]["comm_share"] == 0.5

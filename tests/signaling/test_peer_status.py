@@ -84,3 +84,22 @@ async def test_lockstep_report_without_evaluation_has_no_heldout(tmp_path: Path)
     assert (msg["mode"], msg["round"], msg["comm_share"]) == ("lockstep f32", 1, 1.0)
     assert "heldout_loss" not in msg
     report.close()
+
+
+async def test_heldout_loss_is_resent_with_its_step(tmp_path: Path) -> None:
+    """Reports coalesce (the latest wins), so the held-out loss rides on every later
+    report, labelled with the step it was evaluated at, not the report's own step."""
+    state = _state(sync_every=32)
+    report = _report(tmp_path, eval_every=64)
+    report.begin(state)
+    sink = Sink()
+    await _commit(report, state, 0, 32, sink)  # step 32: no evaluation yet
+    await _commit(report, state, 1, 32, sink)  # step 64: evaluated
+    await _commit(report, state, 2, 32, sink)  # step 96: not evaluated, still carried
+    first, evaluated, later = sink.decoded
+    assert "heldout_loss" not in first
+    assert evaluated["heldout_step"] == 64 and evaluated["heldout_loss"] > 0
+    assert later["step"] == 96
+    assert (later["heldout_loss"], later["heldout_step"]) == (
+        evaluated["heldout_loss"], 64)
+    report.close()

@@ -419,6 +419,15 @@ async def test_dashboard_decision_and_host_key(srv):
     gate.set()  # the cancelled callback must not send a second (deny) decision
     await asyncio.sleep(0.1)
     assert host._signaling.members == (host.self_id, pid)
+    # The admitted joiner's own dashboard link opens the room; its bare id does not.
+    link = joiner.member_link()
+    assert link is not None and link.startswith(f"{srv.url}/?room=dash-room&member=")
+    member_key = link.rsplit("=", 1)[1]
+    async with aiohttp.ClientSession() as s:
+        r = await s.get(f"{srv.url}/api/rooms/dash-room?member={member_key}")
+        assert r.status == 200 and pid in [m["id"] for m in (await r.json())["members"]]
+        r = await s.get(f"{srv.url}/api/rooms/dash-room?peer={pid}")
+        assert r.status == 404
 
 
 async def test_report_status_reaches_server_and_is_coalesced(srv):

@@ -61,3 +61,16 @@ async def test_no_host_link_without_a_room():
     c = client(Recorder(), room=None)
     await c._handle({"type": "host_key", "key": "k"})
     assert c.host_link() is None
+
+
+async def test_member_link_from_welcome_or_approval():
+    c = client(Recorder())
+    await c._handle({"type": "welcome", "id": "0a", "group": None, "host": None,
+                     "state": "waiting"})
+    assert c.member_link() is None  # a waiting peer has no view of the room
+    await c._handle({"type": "approved", "group": "g", "member_key": "m3mber"})
+    assert c.member_link() == "https://signal.example:8787/?room=lab-42&member=m3mber"
+    c2 = client(Recorder())
+    await c2._handle({"type": "welcome", "id": "0b", "group": "g", "host": "0b",
+                      "state": "member", "member_key": "first"})
+    assert c2.member_link() == "https://signal.example:8787/?room=lab-42&member=first"

@@ -578,6 +578,7 @@ def test_approve_ask_without_a_terminal_waits_for_the_dashboard(
             assert joiner.returncode == 0, err
             assert host.proc.wait(timeout=60) == 0
             assert "done at step 2" in err
+            assert f"dashboard of this room (keep it private): {server}/?room={room}&member=" in err
         else:
             assert joiner.returncode == 3 and "denied" in err, err
         assert "accept or deny on the dashboard" in host.log.read_text()
