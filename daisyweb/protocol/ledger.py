@@ -21,6 +21,7 @@ class InFlight:
 
     roster: tuple[str, ...] | None = None
     grads: dict[str, bytes] = field(default_factory=dict)  # sender -> payload as received
+    unchecked: set[str] = field(default_factory=set)  # arrived before the roster
     own_sent_at: float | None = None
     requested: dict[str, float] = field(default_factory=dict)
     computing: bool = False

@@ -85,6 +85,7 @@ __all__ = [
 ]
 
 HISTORY = 8  # steps of gradients the leader keeps for repair
+ROSTER_WINDOW = 2  # rosters kept this many steps past our boundary (a new leader's)
 
 
 class Phase(Enum):
@@ -203,7 +204,11 @@ class StepMachine(LeaderDuties, HashDuties):
         elif isinstance(msg, wire.StepHashes):
             self._on_hashes(out, peer, msg)
         elif isinstance(msg, wire.Roster):
-            self._ledger.rosters_seen[(peer, msg.step)] = msg.members
+            # Kept only from participants (a possible next leader) and only near our
+            # boundary: a flood of future rosters must not grow the state.
+            b = self.boundary
+            if peer in self.members.participants and b - 1 <= msg.step <= b + ROSTER_WINDOW:
+                self._ledger.rosters_seen[(peer, msg.step)] = msg.members
             if peer == self.leader and not self.is_leader:
                 self._on_roster(out, msg.step, msg.members, now)
         elif isinstance(msg, wire.Gradient):
@@ -341,8 +346,14 @@ class StepMachine(LeaderDuties, HashDuties):
         st.roster = members
         self._last_roster = members
         self._had_roster = True
-        # Gradients received before the roster from non-members are dropped now.
+        # Gradients received before the roster from non-members are dropped now; the
+        # members' are checked now (a bad one from a member halts, as it would later).
         st.grads = {p: g for p, g in st.grads.items() if p in members}
+        for p in [p for p in st.unchecked if p in st.grads]:
+            payload = st.grads.pop(p)
+            if not self._accept_gradient(out, step, p, payload):
+                return
+        st.unchecked.clear()
         if self.self_id in members and self.self_id not in st.grads and not st.computing:
             st.computing = True
             out.append(Compute(step))
@@ -355,9 +366,17 @@ class StepMachine(LeaderDuties, HashDuties):
         if s != self.boundary:
             return  # too old (committed) or too new (cannot happen on ordered channels)
         st = self._ledger.open(s)
-        if st.roster is not None and msg.sender not in st.roster:
-            return
         if msg.sender in st.grads or msg.sender == self.self_id:
+            return
+        if st.roster is None:
+            # No roster yet: the gradient waits, unchecked, for it (one per sender, and a
+            # sender is the peer on the link unless the leader relays). Then a member's
+            # is checked and anyone else's (a joiner that never confirmed its snapshot,
+            # a stranger) is dropped unread, so it cannot halt the group.
+            st.grads[msg.sender] = msg.payload
+            st.unchecked.add(msg.sender)
+            return
+        if msg.sender not in st.roster:
             return
         self._accept_gradient(out, s, msg.sender, msg.payload)
 

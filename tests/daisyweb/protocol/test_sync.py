@@ -760,3 +760,72 @@ def test_a_lossy_codec_keeps_members_equal_summing_the_decoded_bytes() -> None:
     expect = replay(initial_params(), ADAM, decoded)
     assert _final_hashes(bus, peers) == {expect}
     assert expect != replay(initial_params(), ADAM, bus.oracle_steps("a"))  # it is lossy
+
+
+# --------------------------------------------------------------------------- issue 14
+
+
+def _nan() -> bytes:
+    return np.full(SIZE, np.nan, np.float32).tobytes()
+
+
+@pytest.mark.parametrize("who", ["leader", "follower"])
+def test_gradient_from_outside_the_roster_cannot_halt(who: str) -> None:
+    """Finding 8: a NaN gradient of the current step from a peer outside its roster (a
+    connected stranger, a joiner that never confirmed its snapshot) is dropped unread."""
+    bus = Bus(["a", "b"], steps=3)
+    bus.machines["a"].join_timeout = 60.0
+    bus.handle("a", bus.machines["a"].peer_up("ghost", bus.now))  # offered, unconfirmed
+    bus.hold_compute.update("ab")
+    bus.start()
+    bus.run()
+    peer = "a" if who == "leader" else "b"
+    m = bus.machines[peer]
+    for sender in ("ghost", "zz"):
+        assert m.message(sender, wire.Gradient(0, sender, _nan())) == [] and not m.done
+    bus.hold_compute.clear()
+    bus.run()
+    bus.advance(61.0)  # the joiner times out; the others finish
+    assert not bus.stopped and {"a", "b"} <= set(bus.finished)
+
+
+def test_gradient_before_the_roster_waits_unread_and_only_a_members_counts() -> None:
+    """Before its roster, a follower keeps one gradient per sender unread; the roster then
+    drops a non-member's (a NaN from it halts nobody) and checks the members'."""
+    bus = Bus(["a", "b"], steps=2)
+    bus.hold_compute.update("ab")
+    m = bus.machines["b"]
+    assert m.message("zz", wire.Gradient(0, "zz", _nan())) == [] and not m.done
+    assert m._ledger.get(0).unchecked == {"zz"}
+    bus.start()
+    bus.run()  # a's roster of step 0 reaches b
+    assert not m.done and "zz" not in m._ledger.get(0).grads
+    bus.hold_compute.clear()
+    bus.run()
+    assert set(bus.finished) == {"a", "b"} and not bus.stopped
+
+
+def test_early_bad_gradient_of_a_member_halts_when_its_roster_arrives() -> None:
+    bus = Bus(["a", "b", "c"], steps=2, seed=1)
+    bus.hold_compute.update("abc")
+    bus.start()
+    m = bus.machines["b"]
+    m.members.learn(["a", "b", "c"])  # b knows the group from an earlier roster
+    assert m.message("c", wire.Gradient(0, "c", _nan())) == [] and not m.done
+    out = m.message("a", wire.Roster(0, ("a", "b", "c")))
+    assert any(isinstance(x, Stopped) and "refused" in x.reason for x in out)
+
+
+def test_future_rosters_are_not_kept() -> None:
+    """Finding 9: rosters for far-future steps, or from a non-participant, are not stored
+    (a flood grew a peer by 588 MB and slowed every commit)."""
+    bus = _trained(steps=5, upto=1)
+    m = bus.machines["b"]
+    b = m.boundary
+    before = dict(m._ledger.rosters_seen)
+    for step in range(b + 3, b + 2000):
+        m.message("c", wire.Roster(step, ("c",)))
+    m.message("zz", wire.Roster(b, ("zz",)))
+    assert m._ledger.rosters_seen == before
+    m.message("c", wire.Roster(b + 1, ("c", "b")))  # near: kept for a failover
+    assert m._ledger.rosters_seen[("c", b + 1)] == ("c", "b")
