@@ -17,9 +17,12 @@ and the typed storage classes (``torch.FloatStorage`` ...), which is exactly wha
 ``torch.load(path, weights_only=True)`` accepts. The pickle bytes are emitted by a small
 hand-written encoder, so writing needs neither torch nor any fake ``torch`` module.
 
-:func:`load_pt` uses a restricted unpickler that resolves *only* those globals (mapped to
-local rebuild functions) and refuses anything else with :class:`PtFormatError`, so
-loading never runs pickled code.
+:func:`load_pt` reads ``data.pkl`` with the restricted machine of
+:mod:`daisyweb.checkpoints.unpickle`: only those globals, as inert markers, only the
+opcodes and object shapes such a pickle has, and objects bounded by a small multiple of
+the pickle's size; anything else raises :class:`PtFormatError`, so loading never runs
+pickled code. Every tensor is a copy of a view that is proven to lie inside the flat
+storage array it reads, of that storage's own element count and dtype.
 """
 
 from __future__ import annotations
@@ -27,6 +30,7 @@ from __future__ import annotations
 import collections
 import contextlib
 import io
+import math
 import os
 import pickle
 import struct
@@ -35,11 +39,22 @@ from typing import IO, Any
 
 import numpy as np
 
-__all__ = ["PtFormatError", "save_pt", "load_pt", "DEFAULT_MAX_BYTES"]
+from daisyweb.checkpoints.quote import short_name, short_repr
+from daisyweb.checkpoints.unpickle import Global, PickleRefused, load_restricted
+
+__all__ = ["PtFormatError", "save_pt", "load_pt", "DEFAULT_MAX_BYTES", "MAX_PICKLE_BYTES"]
 
 DEFAULT_MAX_BYTES = 4 << 30
+# The largest model ModelConfig admits (1024 layers) pickles to about 2 MB; a data.pkl
+# beyond this is not a checkpoint, and the limit bounds the reader's work and strings.
+MAX_PICKLE_BYTES = 16 << 20
 _ALIGN = 64
 _MAX_DEPTH = 64
+_MAX_NDIM = 32  # numpy 1.x's limit; a checkpoint tensor has 0-2
+_MAX_EXTENT = 1 << 48  # any size, stride or element count: far beyond max_bytes, int64-safe
+_MAX_KEY_LEN = 256  # a storage key ("0", "1", ...) or location ("cpu")
+_MAX_MARKER_BYTES = 64  # the version and byteorder entries
+_REBUILD_TENSOR = ("torch._utils", "_rebuild_tensor_v2")
 _ARCHIVE = "archive"
 
 
@@ -87,10 +102,9 @@ class _Encoder:
             self.w(pickle.BININT + struct.pack("<i", i))
         else:
             b = pickle.encode_long(i)
-            if len(b) < 256:
-                self.w(pickle.LONG1 + bytes([len(b)]) + b)
-            else:
-                self.w(pickle.LONG4 + struct.pack("<I", len(b)) + b)
+            if len(b) > 255:  # LONG4: the reader refuses it, so never write it
+                raise ValueError(f"integer of {i.bit_length()} bits is too large to save")
+            self.w(pickle.LONG1 + bytes([len(b)]) + b)
 
     def tuple_(self, items: tuple[int, ...]) -> None:
         self.w(pickle.MARK)
@@ -220,6 +234,8 @@ def save_pt(path_or_file: str | os.PathLike[str] | IO[bytes], obj: Any) -> None:
 
 # ---------------------------------------------------------------------------- reading
 class _StorageType:
+    """The ``torch.<X>Storage`` global a persistent id names (inert: never called)."""
+
     __slots__ = ("name", "dtype")
 
     def __init__(self, name: str) -> None:
@@ -228,109 +244,135 @@ class _StorageType:
 
 
 class _Storage:
-    __slots__ = ("array",)
+    """One ``data/<key>`` entry: a 1-d read-only array of exactly ``numel`` ``dtype``s.
+
+    Nothing in a pickle can reach its fields (the reader has no BUILD for it), and every
+    view is checked against ``numel`` and ``dtype`` as well as the array itself.
+    """
+
+    __slots__ = ("array", "numel", "dtype")
 
     def __init__(self, array: np.ndarray) -> None:
         self.array = array
+        self.numel = int(array.size)
+        self.dtype = array.dtype
 
 
 def _is_int(x: Any) -> bool:
     return type(x) is int
 
 
-def _rebuild_tensor_v2(limit: list[int], storage: Any, offset: Any, size: Any, stride: Any,
-                       requires_grad: Any = False, hooks: Any = None, *rest: Any) -> np.ndarray:
-    # ``limit`` (bytes still allowed, shared with the unpickler) is charged *before* the
-    # copy: a zero stride or one storage rebuilt many times via the memo could otherwise
-    # allocate far more than the file holds.
-    if not isinstance(storage, _Storage):
-        raise PtFormatError("tensor storage is not a storage")
-    if rest and not (len(rest) == 1 and (rest[0] is None or rest[0] == {})):
-        raise PtFormatError("unexpected tensor rebuild arguments")
-    if not isinstance(size, tuple) or not isinstance(stride, tuple):
+def _check_dims(size: Any, stride: Any) -> tuple[tuple[int, ...], tuple[int, ...]]:
+    if type(size) is not tuple or type(stride) is not tuple:
         raise PtFormatError("tensor size/stride must be tuples")
     if len(size) != len(stride):
         raise PtFormatError("tensor size/stride length mismatch")
-    if not _is_int(offset) or offset < 0:
-        raise PtFormatError("bad storage offset")
-    if not all(_is_int(s) and s >= 0 for s in size + stride):
+    if len(size) > _MAX_NDIM:
+        raise PtFormatError(f"tensor has {len(size)} dimensions (at most {_MAX_NDIM})")
+    if not all(_is_int(s) and 0 <= s <= _MAX_EXTENT for s in size + stride):
         raise PtFormatError("bad tensor size/stride")
+    # numpy refuses a shape whose non-zero dims multiply past its limit, even if empty.
+    if math.prod(max(s, 1) for s in size) > _MAX_EXTENT:
+        raise PtFormatError(f"tensor size {short_repr(size)} is too large")
+    return size, stride
+
+
+def _view_in_storage(storage: _Storage, offset: int, size: tuple[int, ...],
+                     stride: tuple[int, ...]) -> np.ndarray:
+    """The strided view, after proving that its first and last element lie in the storage.
+
+    Strides are >= 0, so the lowest element is ``offset`` and the highest is
+    ``offset + sum((n - 1) * stride)``; both must be below the storage's element count.
+    """
+    data = storage.array
+    if (data.ndim != 1 or data.size != storage.numel or data.dtype != storage.dtype
+            or not data.flags.c_contiguous):
+        raise PtFormatError("storage is not a flat array of its own type")
+    last = offset + sum((n - 1) * st for n, st in zip(size, stride, strict=True))
+    if last >= storage.numel:
+        raise PtFormatError(
+            f"tensor of size {short_repr(size)} stride {short_repr(stride)} offset {offset} "
+            f"exceeds storage of {storage.numel} elements")
+    item = storage.dtype.itemsize
+    return np.lib.stride_tricks.as_strided(
+        data[offset:], shape=size, strides=tuple(st * item for st in stride), writeable=False)
+
+
+def _rebuild_tensor_v2(limit: list[int], storage: Any, offset: Any, size: Any, stride: Any,
+                       requires_grad: Any = False, hooks: Any = None, *rest: Any) -> np.ndarray:
+    # ``limit`` (bytes still allowed, shared with the storage loader) is charged *before*
+    # the copy: a zero stride or one storage rebuilt many times via the memo could otherwise
+    # allocate far more than the file holds.
+    if type(storage) is not _Storage:
+        raise PtFormatError("tensor storage is not a storage")
+    if rest and not (len(rest) == 1 and (rest[0] is None or rest[0] == {})):
+        raise PtFormatError("unexpected tensor rebuild arguments")
+    size, stride = _check_dims(size, stride)
+    if not _is_int(offset) or not 0 <= offset <= storage.numel:
+        raise PtFormatError("bad storage offset")
     if type(requires_grad) is not bool:
         raise PtFormatError("bad requires_grad")
-    if hooks is not None and not (isinstance(hooks, dict) and not hooks):
+    if hooks is not None and not (type(hooks) in (dict, collections.OrderedDict) and not hooks):
         raise PtFormatError("backward hooks are not supported")
-    data = storage.array
-    numel = 1
-    for s in size:
-        numel *= s
+    numel = math.prod(size)
+    dtype = storage.dtype.newbyteorder("=")
     if numel == 0:
-        if offset > data.size:
-            raise PtFormatError("storage offset out of range")
-        return np.zeros(size, dtype=data.dtype)
-    last = offset + sum((n - 1) * st for n, st in zip(size, stride, strict=True))
-    if last >= data.size:
-        raise PtFormatError(
-            f"tensor of size {size} stride {stride} offset {offset} exceeds storage "
-            f"of {data.size} elements")
-    limit[0] -= numel * data.dtype.itemsize
+        return np.zeros(size, dtype=dtype)
+    limit[0] -= numel * storage.dtype.itemsize
     if limit[0] < 0:
         raise PtFormatError("tensors exceed max_bytes")
-    item = data.dtype.itemsize
-    view = np.lib.stride_tricks.as_strided(
-        data[offset:], shape=size, strides=tuple(st * item for st in stride), writeable=False)
-    return np.array(view, dtype=data.dtype.newbyteorder("="), order="C", copy=True)
+    view = _view_in_storage(storage, offset, size, stride)
+    return np.array(view, dtype=dtype, order="C", copy=True)
 
 
-def _make_ordered_dict(*args: Any) -> collections.OrderedDict:
-    if args:
-        raise PtFormatError("OrderedDict with arguments is not supported")
-    return collections.OrderedDict()
+class _TensorReader:
+    """The hooks the restricted pickle machine calls: globals, storages, tensor rebuilds."""
 
-
-class _RestrictedUnpickler(pickle.Unpickler):
-    def __init__(self, data: bytes, zf: zipfile.ZipFile, prefix: str, limit: list[int]):
-        super().__init__(io.BytesIO(data))
+    def __init__(self, zf: zipfile.ZipFile, prefix: str, limit: list[int]) -> None:
         self._zf = zf
         self._prefix = prefix
         self._limit = limit
         self._storages: dict[str, tuple[_StorageType, _Storage]] = {}
 
-    def find_class(self, module: str, name: str) -> Any:
-        if module == "torch._utils" and name == "_rebuild_tensor_v2":
-            return self._rebuild
-        if module == "collections" and name == "OrderedDict":
-            return _make_ordered_dict
+    def find_global(self, module: str, name: str) -> Any:
+        if (module, name) == _REBUILD_TENSOR:
+            return Global(module, name)
         if module == "torch" and name in _DTYPE_FOR_STORAGE:
             return _StorageType(name)
-        raise PtFormatError(f"refusing global {module}.{name}")
+        raise PtFormatError(f"refusing global {short_name(module)}.{short_name(name)}")
 
-    def _rebuild(self, *args: Any) -> np.ndarray:
+    def rebuild(self, func: Global, args: tuple) -> np.ndarray:
+        if (func.module, func.name) != _REBUILD_TENSOR:
+            raise PtFormatError(f"refusing call of {func.module}.{func.name}")
+        if not 4 <= len(args) <= 7:
+            raise PtFormatError(f"tensor rebuild with {len(args)} arguments")
         return _rebuild_tensor_v2(self._limit, *args)
 
-    def persistent_load(self, pid: Any) -> Any:
-        if not (isinstance(pid, tuple) and len(pid) == 5 and pid[0] == "storage"):
-            raise PtFormatError(f"unsupported persistent id {pid!r:.80}")
+    def persistent_load(self, pid: Any) -> _Storage:
+        if not (type(pid) is tuple and len(pid) == 5 and pid[0] == "storage"):
+            raise PtFormatError(f"unsupported persistent id {short_repr(pid)}")
         _, stype, key, location, numel = pid
-        if not isinstance(stype, _StorageType):
+        if type(stype) is not _StorageType:
             raise PtFormatError("persistent id has no storage type")
-        if not isinstance(key, str) or not isinstance(location, str):
-            raise PtFormatError("bad storage key/location")
-        if not _is_int(numel) or numel < 0:
+        if (type(key) is not str or type(location) is not str
+                or len(key) > _MAX_KEY_LEN or len(location) > _MAX_KEY_LEN):
+            raise PtFormatError(f"bad storage key/location {short_repr((key, location))}")
+        if not _is_int(numel) or not 0 <= numel <= _MAX_EXTENT:
             raise PtFormatError("bad storage size")
         if key in self._storages:
             prev_type, prev = self._storages[key]
-            if prev_type.name != stype.name or prev.array.size != numel:
-                raise PtFormatError(f"storage {key} used with conflicting types")
+            if prev_type.name != stype.name or prev.numel != numel:
+                raise PtFormatError(f"storage {short_name(key)} used with conflicting types")
             return prev
         name = f"{self._prefix}data/{key}"
         try:
             info = self._zf.getinfo(name)
         except KeyError:
-            raise PtFormatError(f"missing storage entry {name}") from None
+            raise PtFormatError(f"missing storage entry {short_name(name)}") from None
         expected = numel * stype.dtype.itemsize
         if info.file_size != expected:
             raise PtFormatError(
-                f"storage {key}: {info.file_size} bytes, expected {expected}")
+                f"storage {short_name(key)}: {info.file_size} bytes, expected {expected}")
         self._limit[0] -= expected
         if self._limit[0] < 0:
             raise PtFormatError("file exceeds max_bytes")
@@ -348,6 +390,13 @@ def _read_entry(zf: zipfile.ZipFile, info: zipfile.ZipInfo) -> bytes:
     if len(data) != info.file_size:
         raise PtFormatError(f"truncated entry {info.filename}")
     return data
+
+
+def _read_small_entry(zf: zipfile.ZipFile, info: zipfile.ZipInfo) -> bytes:
+    # "3\n", "little": a marker entry is a few bytes, never worth reading a big one.
+    if info.file_size > _MAX_MARKER_BYTES:
+        raise PtFormatError(f"entry {short_name(info.filename)} is {info.file_size} bytes")
+    return _read_entry(zf, info)
 
 
 def _check_tree(obj: Any, depth: int = 0, seen: set[int] | None = None,
@@ -423,22 +472,28 @@ def load_pt(path_or_file: str | os.PathLike[str] | IO[bytes],
         for required in ("data.pkl", "version"):
             if prefix + required not in names:
                 raise PtFormatError(f"missing entry {prefix}{required}")
-        version = _read_entry(zf, names[prefix + "version"]).strip()
+        version = _read_small_entry(zf, names[prefix + "version"]).strip()
         if version not in (b"1", b"2", b"3"):
             raise PtFormatError(f"unsupported archive version {version[:16]!r}")
         if prefix + "byteorder" in names:
-            order = _read_entry(zf, names[prefix + "byteorder"]).strip()
+            order = _read_small_entry(zf, names[prefix + "byteorder"]).strip()
             if order != b"little":
                 raise PtFormatError(f"unsupported byteorder {order[:16]!r}")
-        pkl = _read_entry(zf, names[prefix + "data.pkl"])
-        limit = [max_bytes]
-        unpickler = _RestrictedUnpickler(pkl, zf, prefix, limit)
+        pkl_info = names[prefix + "data.pkl"]
+        if pkl_info.file_size > MAX_PICKLE_BYTES:
+            raise PtFormatError(f"data.pkl is {pkl_info.file_size} bytes (a checkpoint's "
+                                f"is at most {MAX_PICKLE_BYTES})")
+        pkl = _read_entry(zf, pkl_info)
+        reader = _TensorReader(zf, prefix, [max_bytes])
         try:
-            obj = unpickler.load()
+            obj = load_restricted(pkl, find_global=reader.find_global, rebuild=reader.rebuild,
+                                  persistent_load=reader.persistent_load)
         except PtFormatError:
             raise
-        except Exception as exc:  # any malformed pickle
-            raise PtFormatError(f"bad data.pkl: {type(exc).__name__}: {exc}") from None
+        except PickleRefused as exc:
+            raise PtFormatError(f"bad data.pkl: {exc}") from None
+        except Exception as exc:  # a reader bug, not a file problem: still a refusal
+            raise PtFormatError(f"bad data.pkl: unexpected {type(exc).__name__}") from None
         if isinstance(obj, (_Storage, _StorageType)):
             raise PtFormatError("top-level object is a bare storage")
         _check_tree(obj)

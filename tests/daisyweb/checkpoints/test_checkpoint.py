@@ -722,7 +722,7 @@ def _dag_pickle(levels: int) -> bytes:
     # L0 = []; L[k] = [L[k-1], L[k-1]]: 2**levels paths through a tiny pickle.
     pkl = pickle.PROTO + b"\x02" + pickle.EMPTY_LIST
     for _ in range(levels):
-        pkl += (pickle.BINPUT + b"\x00" + pickle.MARK + pickle.BINGET + b"\x00"
+        pkl += (pickle.BINPUT + b"\x00" + pickle.POP + pickle.MARK + pickle.BINGET + b"\x00"
                 + pickle.BINGET + b"\x00" + pickle.LIST)
     return pkl + pickle.STOP
 
