@@ -35,7 +35,8 @@ from typing import Any
 import numpy as np
 
 import kernels
-from daisyweb.rules import DEFAULTS, check_model
+from daisyweb.checkpoints.quote import short_repr
+from daisyweb.rules import DEFAULTS, MAX_LAYERS, MAX_PARAMS, MODEL_FIELDS, check_model
 
 __all__ = [
     "ModelConfig",
@@ -59,17 +60,46 @@ class ModelConfig:
 
     def __post_init__(self) -> None:
         # The shared rules (daisyweb.rules): every dimension a positive integer up to
-        # MAX_DIM, width divisible by heads.
+        # MAX_DIM, width divisible by heads; then the size, before anyone builds the layout
+        # (a config from a file or a peer could otherwise name 10**8 layers).
         check_model(self.vocab, self.width, self.layers, self.heads, self.seq)
+        _check_size(self)
 
     def to_dict(self) -> dict[str, int]:
         return asdict(self)
 
     @classmethod
     def from_dict(cls, d: Any) -> ModelConfig:
-        if not isinstance(d, dict) or set(d) != {"vocab", "width", "layers", "heads", "seq"}:
-            raise ValueError(f"model config must have vocab/width/layers/heads/seq, got {d!r}")
+        """The config of a dict read from a file: exactly the five fields, each an int.
+
+        Refusals quote at most a short prefix of what they refuse (the dict may be hostile).
+        """
+        if not isinstance(d, dict) or set(d) != set(MODEL_FIELDS):
+            raise ValueError(f"model config must have {'/'.join(MODEL_FIELDS)}, "
+                             f"got {short_repr(d)}")
+        for name in MODEL_FIELDS:
+            value = d[name]
+            # Past 64 bits the shared rules would quote hundreds of digits.
+            if type(value) is not int or value.bit_length() > 64:
+                raise ValueError(f"model {name} must be a positive integer, "
+                                 f"got {short_repr(value)}")
         return cls(**d)
+
+
+def _layout_total(vocab: int, width: int, layers: int, seq: int) -> int:
+    """The parameter count of ``param_layout``, in closed form (no list is built)."""
+    per_layer = 12 * width * width + 13 * width  # ln1, qkv, attn out, ln2, mlp in, mlp out
+    return 2 * vocab * width + seq * width + layers * per_layer + 2 * width
+
+
+def _check_size(cfg: ModelConfig) -> None:
+    if cfg.layers > MAX_LAYERS:
+        raise ValueError(f"model layers must be at most {MAX_LAYERS}, got {cfg.layers}")
+    total = _layout_total(cfg.vocab, cfg.width, cfg.layers, cfg.seq)
+    if total > MAX_PARAMS:
+        raise ValueError(f"model of vocab {cfg.vocab}, width {cfg.width}, layers "
+                         f"{cfg.layers}, seq {cfg.seq} has {total:,} parameters, more than "
+                         f"the limit of {MAX_PARAMS:,}")
 
 
 def param_layout(cfg: ModelConfig) -> list[tuple[str, tuple[int, ...]]]:

@@ -163,3 +163,11 @@ def is_lower_hex(text: Any) -> bool:
     """True for a non-empty string of lowercase hex digits (how every digest is spelled,
     so two peers never disagree on the spelling of one hash)."""
     return type(text) is str and _LOWER_HEX.fullmatch(text) is not None
+
+
+# The size of a model, checked (by daisyweb.model.ModelConfig) before anything is allocated:
+# a config from a file or the network can name a model far too big to build. 2**27
+# parameters (float32 params, Adam m and v: a 1.5 GiB checkpoint) is the largest power of
+# two whose checkpoint still loads within the reader's default 4 GiB budget.
+MAX_LAYERS = 1024
+MAX_PARAMS = 1 << 27

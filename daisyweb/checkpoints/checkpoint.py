@@ -54,18 +54,20 @@ from __future__ import annotations
 
 import contextlib
 import io
+import itertools
 import math
 import os
 import secrets
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 from typing import IO, Any
 
 import numpy as np
 
 from daisyweb.checkpoints.ptfile import DEFAULT_MAX_BYTES, PtFormatError, load_pt, save_pt
+from daisyweb.checkpoints.quote import short_repr
 from daisyweb.model import ModelConfig, param_count, param_layout
 from daisyweb.optim import AdamConfig, DaisyAdam, weight_hash
-from daisyweb.rules import is_lower_hex
+from daisyweb.rules import MAX_DIM, MAX_STEP, is_lower_hex
 
 __all__ = [
     "MAGIC",
@@ -92,6 +94,8 @@ _META_KEYS = ("magic", "format_version", "model", "tokenizer", "step", "weight_h
 _MAX_HASH_LEN = 256
 _MAX_RUN_KEY = 128
 _F32 = np.dtype(np.float32)
+_ADAM_KEYS = ("config", "size", "step", "beta1_power", "beta2_power", "m", "v")
+_ADAM_CONFIG_KEYS = frozenset(f.name for f in fields(AdamConfig))
 
 
 class CheckpointError(ValueError):
@@ -106,14 +110,15 @@ class TokenizerInfo:
     file_hash: str
 
     def __post_init__(self) -> None:
-        if type(self.vocab_size) is not int or self.vocab_size < 1:
+        if type(self.vocab_size) is not int or not 1 <= self.vocab_size <= MAX_DIM:
             raise CheckpointError(
-                f"tokenizer vocab_size must be a positive int, got {self.vocab_size!r}")
+                f"tokenizer vocab_size must be an int in 1..{MAX_DIM}, got "
+                f"{short_repr(self.vocab_size)}")
         if (type(self.file_hash) is not str or not 1 <= len(self.file_hash) <= _MAX_HASH_LEN
                 or not self.file_hash.isprintable()):
             raise CheckpointError(
                 f"tokenizer file_hash must be a printable string of 1..{_MAX_HASH_LEN} "
-                f"characters, got {self.file_hash!r:.80}")
+                f"characters, got {short_repr(self.file_hash)}")
 
     def to_dict(self) -> dict[str, Any]:
         return {"vocab_size": self.vocab_size, "file_hash": self.file_hash}
@@ -170,28 +175,28 @@ def _check_run(run: Any) -> dict[str, str | int | float | bool]:
     out: dict[str, str | int | float | bool] = {}
     for k, v in run.items():
         if type(k) is not str or not 1 <= len(k) <= _MAX_RUN_KEY:
-            raise _err(f"run metadata key {k!r:.60} is not a string of 1..{_MAX_RUN_KEY} "
+            raise _err(f"run metadata key {short_repr(k)} is not a string of 1..{_MAX_RUN_KEY} "
                        "characters", "use short string keys")
         if type(v) not in (str, int, float, bool):
-            raise _err(f"run metadata {k!r} has type {type(v).__name__}",
+            raise _err(f"run metadata {short_repr(k)} has type {type(v).__name__}",
                        "only str, int, float and bool values are stored (convert numpy "
                        "scalars with int()/float())")
         if type(v) is float and not math.isfinite(v):
-            raise _err(f"run metadata {k!r} is {v}", "store finite numbers only")
+            raise _err(f"run metadata {short_repr(k)} is {v}", "store finite numbers only")
         out[k] = v
     return out
 
 
 def _check_hash(value: Any) -> str:
     if not is_lower_hex(value) or len(value) > _MAX_HASH_LEN:
-        raise _err(f"weight_hash {value!r:.80} is not a lowercase hex digest",
+        raise _err(f"weight_hash {short_repr(value)} is not a lowercase hex digest",
                    "the file is damaged or not written by daisyweb; use another checkpoint")
     return value
 
 
 def _check_step(value: Any) -> int:
-    if type(value) is not int or value < 0:
-        raise _err(f"step {value!r:.40} is not a non-negative int",
+    if type(value) is not int or not 0 <= value <= MAX_STEP:
+        raise _err(f"step {short_repr(value)} is not a non-negative int (at most {MAX_STEP})",
                    "the file is damaged; use another checkpoint")
     return value
 
@@ -205,6 +210,29 @@ def model_diff(a: ModelConfig, b: ModelConfig) -> str:
     return ", ".join(f"{k} {da[k]} vs {db[k]}" for k in da if da[k] != db[k])
 
 
+def _check_adam_values(adam: dict, cfg: dict) -> None:
+    """Every Adam value a plain number (or an array for m/v) before DaisyAdam sees it: its
+    messages quote values in full, and a value from a file may be a huge structure."""
+    if set(adam) != set(_ADAM_KEYS):
+        raise _err(f"adam state must have keys {'/'.join(_ADAM_KEYS)}, got "
+                   f"{short_repr(list(itertools.islice(adam, 8)))}",
+                   "the optimizer state was damaged; use another checkpoint")
+    unknown = [k for k in cfg if k not in _ADAM_CONFIG_KEYS]
+    if unknown:
+        raise _err(f"adam state config has unexpected key {short_repr(unknown[0])}",
+                   "the optimizer state was damaged; use another checkpoint")
+    numbers = [(f"config {k}", v) for k, v in cfg.items()]
+    numbers += [(k, adam[k]) for k in ("size", "step", "beta1_power", "beta2_power")]
+    for name, value in numbers:
+        if type(value) not in (int, float) or (type(value) is int and value.bit_length() > 64):
+            raise _err(f"adam state {name} must be a number, got {short_repr(value)}",
+                       "the optimizer state was damaged; use another checkpoint")
+    for name in ("m", "v"):
+        if not isinstance(adam[name], np.ndarray):
+            raise _err(f"adam state {name} must be an array, got {type(adam[name]).__name__}",
+                       "the optimizer state was damaged; use another checkpoint")
+
+
 def _restore(adam: Any, size: int) -> DaisyAdam:
     """A fresh DaisyAdam holding ``adam`` (fully validated by load_state_dict)."""
     if not isinstance(adam, dict):
@@ -213,6 +241,7 @@ def _restore(adam: Any, size: int) -> DaisyAdam:
     cfg = adam.get("config")
     if not isinstance(cfg, dict):
         raise _err("adam state has no 'config' dict", "the file is damaged; use another one")
+    _check_adam_values(adam, cfg)
     try:
         opt = DaisyAdam(AdamConfig(**cfg), size)
         opt.load_state_dict(adam)
@@ -308,11 +337,11 @@ def checkpoint_from_tree(tree: Any, *, expect_model: ModelConfig | None = None,
         raise _err("not a daisyweb checkpoint: no 'magic' entry (a plain PyTorch file?)",
                    "pass a checkpoint written by daisyweb (--save)")
     if type(tree["magic"]) is not str or tree["magic"] != MAGIC:
-        raise _err(f"not a daisyweb checkpoint: magic {tree['magic']!r:.60}, expected "
+        raise _err(f"not a daisyweb checkpoint: magic {short_repr(tree['magic'])}, expected "
                    f"{MAGIC!r}", "pass a checkpoint written by daisyweb (--save)")
     version = tree.get("format_version")
     if type(version) is not int or version != FORMAT_VERSION:
-        raise _err(f"unsupported checkpoint format version {version!r:.40} (this daisyweb "
+        raise _err(f"unsupported checkpoint format version {short_repr(version)} (this daisyweb "
                    f"reads version {FORMAT_VERSION})",
                    "use the daisyweb version that wrote it, or re-save with this one")
     missing = [k for k in _META_KEYS if k not in tree]
@@ -326,7 +355,7 @@ def checkpoint_from_tree(tree: Any, *, expect_model: ModelConfig | None = None,
                    "the file is damaged; use another checkpoint") from None
     tok = tree["tokenizer"]
     if not isinstance(tok, dict) or set(tok) != {"vocab_size", "file_hash"}:
-        raise _err(f"bad tokenizer entry {tok!r:.80} (needs vocab_size and file_hash)",
+        raise _err(f"bad tokenizer entry {short_repr(tok)} (needs vocab_size and file_hash)",
                    "the file is damaged; use another checkpoint")
     tokenizer = TokenizerInfo(tok["vocab_size"], tok["file_hash"])
     if expect_model is not None and model != expect_model:
@@ -357,9 +386,10 @@ def checkpoint_from_tree(tree: Any, *, expect_model: ModelConfig | None = None,
     if missing:
         raise _err(f"checkpoint is missing {len(missing)} parameter tensor(s): "
                    f"{', '.join(missing[:5])}", "the file is incomplete; use another one")
-    extra = sorted(k for k in tree if k not in names and k not in _META_KEYS)
+    # Keys may be str or int (the reader allows both), so they are sorted as text.
+    extra = sorted((k for k in tree if k not in names and k not in _META_KEYS), key=str)
     if extra:
-        raise _err(f"checkpoint has unexpected entries {extra[:5]!r:.200}",
+        raise _err(f"checkpoint has unexpected entries {short_repr(extra[:5], 200)}",
                    "the file was not written by this daisyweb; re-save it with daisyweb")
     params = np.empty(param_count(model), dtype=_F32)
     off = 0
@@ -531,7 +561,7 @@ def restore_optimizer(ckpt: Checkpoint) -> DaisyAdam:
                    "load one with load_checkpoint()")
     size = ckpt.adam.get("size") if isinstance(ckpt.adam, dict) else None
     if type(size) is not int or size < 0:
-        raise _err(f"adam state has no valid 'size' ({size!r:.40})",
+        raise _err(f"adam state has no valid 'size' ({short_repr(size)})",
                    "the optimizer state was damaged; use another checkpoint")
     if size != param_count(ckpt.model):
         raise _err(f"adam state size {size} != param count {param_count(ckpt.model)} of "
