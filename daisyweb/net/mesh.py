@@ -136,6 +136,11 @@ class Mesh:
         """Our peer id, assigned by the signaling server ("" before ``start``)."""
         return self._signaling.self_id
 
+    @property
+    def members(self) -> tuple[str, ...]:
+        """The signaling server's approved members of our group (ids in server order)."""
+        return self._signaling.members
+
     # ------------------------------------------------------------------ interface
 
     async def start(self) -> None:

@@ -213,7 +213,7 @@ class Driver:
     async def _start_follower(self) -> None:
         start = await handshake.await_snapshot(
             self.queue, self._peer_connected, self._peer_gone, self.version, self.tokinfo,
-            self.opts.join_timeout)
+            self.opts.join_timeout, self.mesh.self_id, lambda: self.mesh.members)
         self.state = state = start.state
         try:
             self._make_replica(state)
@@ -246,8 +246,16 @@ class Driver:
 
     # ------------------------------------------------------------------ links
     def _peer_connected(self, peer: str) -> None:
-        # The Hello goes out first on a new link, ahead of anything held for it.
+        # The Hello goes out first on a new link, ahead of anything held for it; then
+        # whom we follow, which a joiner needs to tell the real leader from a pretender.
         self.outboxes.up(peer, wire.Hello(self.mesh.self_id, self.version))
+        self._send((peer,), wire.Following(self._following()))
+
+    def _following(self) -> str:
+        """The leader this peer follows: itself with --start, "" until a follower starts."""
+        if self.machine is not None:
+            return self.machine.leader
+        return self.mesh.self_id if self.opts.start else ""
 
     def _peer_gone(self, peer: str) -> None:
         self.hello_from.discard(peer)  # a new link starts with a new Hello
@@ -300,7 +308,7 @@ class Driver:
         ev = item.event
         if isinstance(ev, Received):
             msg = ev.message
-            if isinstance(msg, (wire.Config, wire.Snapshot, wire.Heartbeat)):
+            if isinstance(msg, (wire.Config, wire.Snapshot, wire.Heartbeat, wire.Following)):
                 return  # start handshake messages after the start: nothing to do
             await self._do(m.message(ev.peer, msg, now))
             if isinstance(msg, wire.Hello) and msg.peer_id == ev.peer:
@@ -314,8 +322,10 @@ class Driver:
         elif isinstance(ev, PeerDown):
             self._peer_gone(ev.peer)
             log(f"peer {ev.peer} down ({ev.reason})")
-            was_leader = m.is_leader
+            was_leader, leader_before = m.is_leader, m.leader
             await self._do(m.peer_down(ev.peer, now))
+            if m.leader != leader_before:
+                self._send(None, wire.Following(m.leader))  # joiners ask who leads now
             if m.is_leader and not was_leader:
                 log(f"leading now from step {m.boundary} (the leader was lost)")
                 # Peers still waiting for a snapshot were announced to the old leader.

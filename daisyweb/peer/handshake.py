@@ -8,16 +8,20 @@ tokenizer) and against the snapshot's weight hash -- before its state machine st
 Mid-run joins use the same path at a step boundary.
 
 Version handshake: the first message to every newly connected peer is
-``Hello(self, version)``. A follower refuses a leader of another version (one line, exit
-1); the leader excludes a follower of another version (``sync.StepMachine``).
+``Hello(self, version)``, then ``Following(leader)``: who the sender follows (the leader
+names itself, a peer not started yet names nobody). A follower refuses a leader of
+another version (one line, exit 1); the leader excludes a follower of another version
+(``sync.StepMachine``). A joiner takes the config and snapshot only from the leader a
+majority of the group's other members name (:func:`agreed_leader`), never from whoever
+sends one first.
 """
 
 from __future__ import annotations
 
 import asyncio
 import time
-from collections import deque
-from collections.abc import Callable
+from collections import Counter, deque
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -37,8 +41,8 @@ from daisyweb.training.config import RunConfig, run_config
 from daisyweb.training.rounds import round_count
 from daisyweb.training.state import TrainState
 
-__all__ = ["BUFFER_BEFORE_START", "FollowerStart", "await_snapshot", "leader_state",
-           "tokenizer_info", "wait_for_peers"]
+__all__ = ["BUFFER_BEFORE_START", "FollowerStart", "agreed_leader", "await_snapshot",
+           "leader_state", "tokenizer_info", "wait_for_peers"]
 
 BUFFER_BEFORE_START = 512  # messages kept while a follower waits for its snapshot
 
@@ -124,6 +128,37 @@ async def wait_for_peers(queue: asyncio.Queue[Item], on_up: Callable[[str], None
     return ups, held
 
 
+def agreed_leader(claims: Mapping[str, str], members: Sequence[str],
+                  self_id: str) -> str | None:
+    """The leader this joiner follows: the one a strict majority of the members that
+    follow anyone name, provided it names itself; None while that is not (yet) so.
+
+    ``claims`` is each peer's last ``Following`` (``""``: not started); ``members`` is
+    the signaling server's member list. Every other member must have spoken, so a peer
+    that reaches us first cannot pass itself off as the leader: with the real leader
+    and one follower naming it, a third peer naming itself is outvoted, and a tie
+    (one peer against the leader alone) is never resolved in anyone's favour.
+    """
+    voters = [m for m in members if m != self_id]
+    if not voters or any(v not in claims for v in voters):
+        return None
+    named = Counter(claims[v] for v in voters if claims[v])
+    if not named:
+        return None  # nobody has started yet
+    top, votes = named.most_common(1)[0]
+    if 2 * votes <= sum(named.values()) or claims.get(top) != top or top not in voters:
+        return None
+    return top
+
+
+def _disagreement(claims: Mapping[str, str], members: Sequence[str], self_id: str) -> str:
+    said = [f"{m} follows {claims[m] or 'nobody yet'}" for m in members
+            if m != self_id and m in claims]
+    silent = [m for m in members if m != self_id and m not in claims]
+    parts = said + [f"{m} has not said" for m in silent]
+    return "; ".join(parts)[:400] or "no member has said who leads"
+
+
 @dataclass
 class FollowerStart:
     """What a follower starts from: the leader's validated config and snapshot."""
@@ -137,15 +172,28 @@ class FollowerStart:
 
 async def await_snapshot(queue: asyncio.Queue[Item], on_up: Callable[[str], None],
                          on_down: Callable[[str], None], version: int,
-                         tokinfo: TokenizerInfo, join_timeout: float) -> FollowerStart:
-    """Wait for Config + Snapshot from a leader; buffer everything else meanwhile."""
+                         tokinfo: TokenizerInfo, join_timeout: float,
+                         self_id: str = "",
+                         members: Callable[[], Sequence[str]] = tuple) -> FollowerStart:
+    """Wait for Config + Snapshot from the group's leader (:func:`agreed_leader`);
+    buffer everything else meanwhile."""
     deadline = time.monotonic() + join_timeout
     held: deque[Item] = deque(maxlen=BUFFER_BEFORE_START)
     configs: dict[str, wire.Config] = {}
+    snapshots: dict[str, wire.Snapshot] = {}  # the last one per sender, checked if chosen
     versions: dict[str, int] = {}  # peers whose Hello announced another version
+    claims: dict[str, str] = {}  # peer -> the leader it follows ("" not started)
     while True:
+        group = tuple(members())  # the signaling server's members, as of now
+        leader = agreed_leader(claims, group, self_id)
+        if leader is not None and leader in snapshots and leader in configs:
+            return _checked_start(leader, configs[leader], snapshots[leader], tokinfo, held)
         left = deadline - time.monotonic()
         if left <= 0:
+            if snapshots:
+                raise PeerError(3, "no snapshot from a leader the group agrees on within "
+                                   f"{join_timeout:g} s: "
+                                   + _disagreement(claims, group, self_id))
             raise PeerError(3, f"no leader sent a run within {join_timeout:g} s "
                                "(start one peer with --start)")
         try:
@@ -160,7 +208,8 @@ async def await_snapshot(queue: asyncio.Queue[Item], on_up: Callable[[str], None
             continue
         if isinstance(ev, PeerDown):
             on_down(ev.peer)
-            configs.pop(ev.peer, None)
+            for known in (configs, snapshots, claims):
+                known.pop(ev.peer, None)
             continue
         if not isinstance(ev, Received):
             continue
@@ -168,6 +217,7 @@ async def await_snapshot(queue: asyncio.Queue[Item], on_up: Callable[[str], None
         if isinstance(msg, wire.Hello):
             if msg.peer_id == ev.peer and msg.version != version:
                 versions[ev.peer] = msg.version
+                claims.setdefault(ev.peer, "")  # it is excluded; it has no say
             held.append(item)  # the state machine refuses a non-leader one later
             continue
         if ev.peer in versions and isinstance(msg, (wire.Config, wire.Snapshot, wire.Halt)):
@@ -175,22 +225,31 @@ async def await_snapshot(queue: asyncio.Queue[Item], on_up: Callable[[str], None
             raise PeerError(1, f"refused the leader {ev.peer}: it speaks protocol "
                                f"version {versions[ev.peer]}, this peer speaks "
                                f"{version}")
+        if isinstance(msg, wire.Following):
+            if ev.peer not in versions:
+                claims[ev.peer] = msg.leader
+            continue
         if isinstance(msg, wire.Config):
             configs[ev.peer] = msg
             continue
-        if not isinstance(msg, wire.Snapshot) or ev.peer not in configs:
-            held.append(item)
+        if isinstance(msg, wire.Snapshot) and ev.peer in configs:
+            snapshots[ev.peer] = msg
             continue
-        try:
-            run = RunConfig.from_wire(configs[ev.peer])
-            ckpt = checkpoint_from_bytes(msg.payload, expect_model=run.model,
-                                         expect_tokenizer=tokinfo)
-            state = TrainState.from_checkpoint(ckpt, run)
-        except (CheckpointError, ValueError, wire.WireError) as exc:
-            raise PeerError(1, f"refused the snapshot from {ev.peer}: {exc}") from None
-        boundary = state.step if run.sync_every == 1 else round_count(
-            state.step, run.sync_every)
-        if boundary != msg.step or state.weight_hash() != msg.weight_hash:
-            raise PeerError(1, f"refused the snapshot from {ev.peer}: its weight hash or "
-                               "step does not match what it announced")
-        return FollowerStart(ev.peer, run, state, msg.weight_hash, held)
+        held.append(item)
+
+
+def _checked_start(leader: str, config: wire.Config, snapshot: wire.Snapshot,
+                   tokinfo: TokenizerInfo, held: deque[Item]) -> FollowerStart:
+    """Validate the chosen leader's config and snapshot (refused: exit 1, one line)."""
+    try:
+        run = RunConfig.from_wire(config)
+        ckpt = checkpoint_from_bytes(snapshot.payload, expect_model=run.model,
+                                     expect_tokenizer=tokinfo)
+        state = TrainState.from_checkpoint(ckpt, run)
+    except (CheckpointError, ValueError, wire.WireError) as exc:
+        raise PeerError(1, f"refused the snapshot from {leader}: {exc}") from None
+    boundary = state.step if run.sync_every == 1 else round_count(state.step, run.sync_every)
+    if boundary != snapshot.step or state.weight_hash() != snapshot.weight_hash:
+        raise PeerError(1, f"refused the snapshot from {leader}: its weight hash or "
+                           "step does not match what it announced")
+    return FollowerStart(leader, run, state, snapshot.weight_hash, held)

@@ -28,6 +28,7 @@ __all__ = [
     "PROTOCOL_VERSION",
     "WireError",
     "Hello",
+    "Following",
     "Config",
     "Snapshot",
     "Roster",
@@ -44,7 +45,7 @@ __all__ = [
     "decode",
 ]
 
-PROTOCOL_VERSION = 2  # 2: Config carries sync_every, codec, outer_lr
+PROTOCOL_VERSION = 3  # 2: Config carries sync_every, codec, outer_lr; 3: Following
 
 # Limits. Generous for the project's models, small enough that a hostile peer
 # cannot make us allocate without bound.
@@ -196,6 +197,19 @@ class Hello(_Msg):
         "peer_id": _peer,
         "version": _int(0, (1 << 32) - 1),
     }
+
+
+@dataclass(frozen=True)
+class Following(_Msg):
+    """Who the sender follows as the group's leader ("" before it has started; the leader
+    names itself). Sent after the Hello on every new link and again when the leader
+    changes, so a joiner follows the leader the group names, not whoever sends a
+    snapshot first (``daisyweb.peer.handshake.agreed_leader``)."""
+
+    leader: str
+
+    type: ClassVar[str] = "following"
+    _checks: ClassVar[dict[str, Checker]] = {"leader": _str(MAX_ID_LEN, 0)}
 
 
 @dataclass(frozen=True)
@@ -354,13 +368,15 @@ class Halt(_Msg):
 
 
 Message = (
-    Hello | Config | Snapshot | Roster | Gradient | StepHashes | RepairRequest | Heartbeat | Halt
+    Hello | Following | Config | Snapshot | Roster | Gradient | StepHashes | RepairRequest
+    | Heartbeat | Halt
 )
 
 MESSAGE_TYPES: dict[str, type[_Msg]] = {
     cls.type: cls
     for cls in (
         Hello,
+        Following,
         Config,
         Snapshot,
         Roster,

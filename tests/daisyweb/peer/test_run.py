@@ -228,6 +228,10 @@ class FakeMesh:
             self.events.put_nowait(PeerUp(other.self_id))
         self.hub.meshes[self.self_id] = self
 
+    @property
+    def members(self) -> tuple[str, ...]:
+        return tuple(self.hub.meshes)
+
     async def next_event(self) -> object:
         return await self.events.get()
 

@@ -14,6 +14,7 @@ from hypothesis import strategies as st
 from daisyweb.protocol import wire
 from daisyweb.protocol.wire import (
     Config,
+    Following,
     Gradient,
     Halt,
     Heartbeat,
@@ -53,6 +54,7 @@ SAMPLES = [
     RepairRequest(5, "c"),
     Heartbeat(12.5),
     Halt(9, "peer c diverged"),
+    Following("peer-a"),
 ]
 
 
@@ -133,6 +135,8 @@ _DEL = object()
         (SAMPLES[7], {"t": float("inf")}, "not finite"),
         (SAMPLES[7], {"t": -1.0}, "out of range"),
         (SAMPLES[8], {"reason": "r" * 1025}, "too long"),
+        (SAMPLES[9], {"leader": "x" * 129}, "too long"),
+        (SAMPLES[9], {"leader": None}, "expected str"),
     ],
 )
 def test_decode_refuses_bad_fields(msg: wire.Message, changes: dict, needle: str) -> None:
