@@ -262,6 +262,11 @@ def _is_int(x: Any) -> bool:
     return type(x) is int
 
 
+def _is_empty_mapping(x: Any) -> bool:
+    # Exact types: ``x == {}`` on a hostile array would raise instead of answering.
+    return type(x) in (dict, collections.OrderedDict) and not x
+
+
 def _check_dims(size: Any, stride: Any) -> tuple[tuple[int, ...], tuple[int, ...]]:
     if type(size) is not tuple or type(stride) is not tuple:
         raise PtFormatError("tensor size/stride must be tuples")
@@ -305,14 +310,14 @@ def _rebuild_tensor_v2(limit: list[int], storage: Any, offset: Any, size: Any, s
     # allocate far more than the file holds.
     if type(storage) is not _Storage:
         raise PtFormatError("tensor storage is not a storage")
-    if rest and not (len(rest) == 1 and (rest[0] is None or rest[0] == {})):
+    if rest and not (len(rest) == 1 and (rest[0] is None or _is_empty_mapping(rest[0]))):
         raise PtFormatError("unexpected tensor rebuild arguments")
     size, stride = _check_dims(size, stride)
     if not _is_int(offset) or not 0 <= offset <= storage.numel:
         raise PtFormatError("bad storage offset")
     if type(requires_grad) is not bool:
         raise PtFormatError("bad requires_grad")
-    if hooks is not None and not (type(hooks) in (dict, collections.OrderedDict) and not hooks):
+    if hooks is not None and not _is_empty_mapping(hooks):
         raise PtFormatError("backward hooks are not supported")
     numel = math.prod(size)
     dtype = storage.dtype.newbyteorder("=")
@@ -493,7 +498,7 @@ def load_pt(path_or_file: str | os.PathLike[str] | IO[bytes],
         except PickleRefused as exc:
             raise PtFormatError(f"bad data.pkl: {exc}") from None
         except Exception as exc:  # a reader bug, not a file problem: still a refusal
-            raise PtFormatError(f"bad data.pkl: unexpected {type(exc).__name__}") from None
+            raise PtFormatError(f"bad data.pkl: reader fault {type(exc).__name__}") from None
         if isinstance(obj, (_Storage, _StorageType)):
             raise PtFormatError("top-level object is a bare storage")
         _check_tree(obj)
