@@ -26,10 +26,10 @@ import numpy as np
 import kernels
 from daisyweb.checkpoints.checkpoint import Checkpoint
 from daisyweb.data.tokenizer import Tokenizer
-from daisyweb.kit.tables import char_classes
+from daisyweb.kit.tables import tokenizer_spec
 from daisyweb.model import param_layout, views
 
-__all__ = ["KIT_FORMAT", "build_kit", "is_linear", "kit_js", "tokenizer_spec"]
+__all__ = ["KIT_FORMAT", "build_kit", "is_linear", "kit_js"]
 
 KIT_FORMAT = "daisyweb-kit"
 KIT_VERSION = 1
@@ -56,12 +56,6 @@ def static_file(name: str) -> Path:
 def kit_js() -> str:
     """The shared JavaScript engine (static/kit.js)."""
     return static_file("kit.js").read_text(encoding="utf-8")
-
-
-def tokenizer_spec(tok: Tokenizer) -> dict[str, Any]:
-    """What kit.js's Tokenizer takes: identity, merges, character classes."""
-    return {"vocab_size": tok.vocab_size, "file_hash": tok.file_hash,
-            "merges": [list(m) for m in tok.merges], "classes": char_classes()}
 
 
 def _payload(ckpt: Checkpoint, tok: Tokenizer) -> dict[str, Any]:

@@ -12,8 +12,11 @@ from __future__ import annotations
 import functools
 import re
 import sys
+from typing import Any
 
-__all__ = ["char_classes"]
+from daisyweb.data.tokenizer import Tokenizer
+
+__all__ = ["char_classes", "tokenizer_spec"]
 
 _CLASSES = {"letter": r"[^\W\d_]+", "digit": r"\d+", "space": r"\s+"}
 
@@ -26,3 +29,10 @@ def char_classes() -> dict[str, list[list[int]]]:
     for name, pattern in _CLASSES.items():
         out[name] = [[m.start(), m.end() - 1] for m in re.finditer(pattern, every)]
     return out
+
+
+def tokenizer_spec(tok: Tokenizer) -> dict[str, Any]:
+    """What kit.js's Tokenizer takes: identity, merges, character classes. The kit embeds
+    it; the signaling server serves it to the dashboard (``/api/tokenizer``)."""
+    return {"vocab_size": tok.vocab_size, "file_hash": tok.file_hash,
+            "merges": [list(m) for m in tok.merges], "classes": char_classes()}
