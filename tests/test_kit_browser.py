@@ -272,3 +272,58 @@ async def test_dashboard_tries_a_checkpoint_in_the_page(trained: Path, tmp_path:
     # the server never received a file: only GETs without bodies
     assert seen and all(m == "GET" and n == 0 for m, _, n in seen), seen
     assert ("GET", "/api/tokenizer", 0) in seen
+
+
+async def test_kit_default_size_logits_match_numpy(tmp_path: Path, chromium) -> None:
+    """The default model's shape (width 128, 4 layers, 4 heads, context 64, vocab 2048):
+    the kit's logits stay within 1e-4 of numpy's on windows up to the full context (the
+    bench measures a trained model over thousands of steps: bench:kit)."""
+    import kernels
+    from daisyweb.checkpoints.checkpoint import make_checkpoint
+    from daisyweb.data import heldout_tokens
+    from daisyweb.kit.build import build_kit
+    from daisyweb.model import ModelConfig, forward, init_params
+    from daisyweb.optim import AdamConfig, DaisyAdam
+
+    tok = default_tokenizer()
+    cfg = ModelConfig(vocab=tok.vocab_size)
+    params = init_params(cfg, 3)
+    ckpt = make_checkpoint(cfg, TokenizerInfo(tok.vocab_size, tok.file_hash), params,
+                           DaisyAdam(AdamConfig(lr=5e-3), params.size), {})
+    kit = tmp_path / "default.html"
+    kit.write_text(build_kit(ckpt, tok))
+    held = heldout_tokens()
+    windows = [[int(t) for t in held[s:s + n]] for s, n in [(0, 1), (900, 9), (4000, 64)]]
+    rng = np.random.default_rng(5)
+    rows = [(rng.standard_normal(n) * 10.0 ** rng.integers(-3, 4)).astype(np.float32)
+            for n in [*range(1, 140), 255, 256, 300, 512, 1000]]
+    mat = (rng.standard_normal((130, 70)) * 0.02).astype(np.float32)
+    mat[3, 5] = 1.5  # one outlier column
+    async with async_playwright() as pw:
+        ctx = await chromium(pw, {"width": 800, "height": 600})
+        try:
+            await ctx.set_offline(True)
+            page = await ctx.new_page()
+            await page.goto(kit.as_uri())
+            await page.wait_for_function("() => document.body.dataset.ready === '1'",
+                                         timeout=30000)
+            got = await page.evaluate(
+                "(ws) => ws.map((w) => Array.from(DaisyKit.forwardLast(window.kit.model, w)))",
+                windows)
+            # the exact pieces, bit for bit: numpy's float32 sum order, int8 quantization
+            sums = await page.evaluate(
+                "(rows) => rows.map((r) => DaisyKit.numpySum(new Float32Array(r), 0, r.length))",
+                [r.tolist() for r in rows])
+            quant = await page.evaluate(
+                "([w, k, n]) => { const r = DaisyKit.quantizeCols(new Float32Array(w), k, n);"
+                " return [Array.from(r.q), Array.from(r.s)]; }",
+                [mat.reshape(-1).tolist(), *mat.shape])
+        finally:
+            await ctx.close()
+    assert [np.float32(x).tobytes() for x in sums] == [r.sum().tobytes() for r in rows]
+    q, sc = kernels.quantize_cols(mat)
+    assert quant[0] == q.T.reshape(-1).tolist()
+    assert np.asarray(quant[1], np.float32).tobytes() == sc.tobytes()
+    for w, js in zip(windows, got, strict=True):
+        py = forward(cfg, params, np.asarray([w]))[0, -1].astype(np.float64)
+        assert np.max(np.abs(py - np.asarray(js))) < 1e-4, len(w)
