@@ -152,6 +152,8 @@ def build_kit(ckpt: Checkpoint, tok: Tokenizer, *, prompt: str = "And God said")
     if (ckpt.tokenizer.vocab_size, ckpt.tokenizer.file_hash) != (tok.vocab_size, tok.file_hash):
         raise ValueError("the checkpoint was trained with another tokenizer")
     js = kit_js()
+    if "</script" in js.lower():  # it is inlined: that text would end the element early
+        raise ValueError("static/kit.js contains '</script' and cannot be inlined")
     csp = (f"default-src 'none'; script-src {_csp_hash(js)} {_csp_hash(_BOOT)}; "
            f"style-src {_csp_hash(_STYLE)}")
     data = _inline_json(_payload(ckpt, tok))
