@@ -45,7 +45,7 @@ from daisyweb.peer.items import (
     Tick,
     is_hello,
 )
-from daisyweb.peer.options import PeerError, PeerOptions, log
+from daisyweb.peer.options import PeerError, PeerOptions, log, mesh_transport_options
 from daisyweb.peer.report import Report
 from daisyweb.protocol import sync, wire
 from daisyweb.training.state import TrainState, probe_hash
@@ -93,6 +93,7 @@ class Driver:
             approve=approve_callback(self.opts.approve, self._host_link),
             ice_hosts=self.opts.ice_hosts or None,
             stun=list(self.opts.stun), join_timeout=self.opts.join_timeout,
+            **mesh_transport_options(self.opts),
             heartbeat_interval=self.opts.heartbeat_interval,
             heartbeat_timeout=self.opts.heartbeat_timeout,
         )

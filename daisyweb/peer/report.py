@@ -100,6 +100,7 @@ class Report:
             "compute_s": compute_s, "wall_s": wall_s, "comm_share": comm_share,
             "mode": mode(run), "sync_every": run.sync_every, "codec": run.codec,
             "round": c.step + 1, "bytes_sent": encoder.bytes_sent,
+            "transport": self.opts.transport,
         }
         if heldout is not None:
             record["heldout_loss"], record["eval_s"] = heldout
@@ -127,7 +128,7 @@ class Report:
                 step=done, loss=self.last_loss,
                 hash=c.weight_hash[:16], peers=len(c.roster),
                 tokens_per_s=float(tokens_per_s), probe=c.probe_hash[:16], state="training",
-                mode=mode(run), round=c.step + 1,
+                mode=mode(run), round=c.step + 1, transport=self.opts.transport,
                 comm_share=min(max(comm_share, 0.0), 1.0),  # the server refuses outside 0..1
                 # Every report, not just the evaluated one: the client coalesces reports
                 # (the latest wins), which would otherwise drop it in a fast run.
@@ -177,7 +178,7 @@ class Report:
             await status.report_status(
                 step=state.step, loss=self.last_loss, hash=end["weight_hash"][:16],
                 peers=self.last_peers, state="done" if code == 0 else "halted",
-                mode=mode(state.run), **self.last_extra)
+                mode=mode(state.run), transport=self.opts.transport, **self.last_extra)
         if code == 0:
             log(f"done at step {state.step}, weight hash {end['weight_hash'][:16]}"
                 + (f", saved {saved}" if saved else ""))

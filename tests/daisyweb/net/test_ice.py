@@ -3,35 +3,36 @@ import pytest
 from aiortc import RTCPeerConnection
 
 from daisyweb.net import ice
+from daisyweb.net import transport_aiortc as ice_aiortc
 
 
 @pytest.fixture
 def restricted():
-    ice.restrict_host_candidates(["127.0.0.1"])
+    ice_aiortc.restrict_host_candidates(["127.0.0.1"])
     yield
-    ice.unrestrict()
+    ice_aiortc.unrestrict()
 
 
 def test_restrict_idempotent_and_env(monkeypatch):
     try:
-        ice.restrict_host_candidates(["127.0.0.1"])
-        ice.restrict_host_candidates(["127.0.0.1"])
+        ice_aiortc.restrict_host_candidates(["127.0.0.1"])
+        ice_aiortc.restrict_host_candidates(["127.0.0.1"])
         assert aioice.ice.get_host_addresses(True, True) == ["127.0.0.1"]
         monkeypatch.setenv(ice.ENV_VAR, "127.0.0.1, ::1")
-        assert ice.restrict_host_candidates() == ["127.0.0.1", "::1"]
+        assert ice_aiortc.restrict_host_candidates() == ["127.0.0.1", "::1"]
         assert aioice.ice.get_host_addresses(True, False) == ["127.0.0.1"]
         monkeypatch.delenv(ice.ENV_VAR)
         with pytest.raises(ValueError):
-            ice.restrict_host_candidates()
+            ice_aiortc.restrict_host_candidates()
         with pytest.raises(ValueError):
-            ice.restrict_host_candidates(["not-an-ip"])
+            ice_aiortc.restrict_host_candidates(["not-an-ip"])
     finally:
-        ice.unrestrict()
-    assert aioice.ice.get_host_addresses is ice._original
+        ice_aiortc.unrestrict()
+    assert aioice.ice.get_host_addresses is ice_aiortc._original
 
 
 async def test_offer_has_only_loopback_candidates(restricted):
-    pc = RTCPeerConnection(ice.rtc_configuration())
+    pc = RTCPeerConnection(ice_aiortc.rtc_configuration())
     try:
         pc.createDataChannel("x")
         await pc.setLocalDescription(await pc.createOffer())
