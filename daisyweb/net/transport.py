@@ -22,6 +22,7 @@ from __future__ import annotations
 import importlib
 from typing import Any, Protocol
 
+from daisyweb.net.events import MeshError
 from daisyweb.net.ice import IceSettings
 
 __all__ = ["NAMES", "Transport", "TransportError", "choose", "libwebrtc_available"]
@@ -29,7 +30,7 @@ __all__ = ["NAMES", "Transport", "TransportError", "choose", "libwebrtc_availabl
 NAMES = ("auto", "aiortc", "libwebrtc")
 
 
-class TransportError(Exception):
+class TransportError(MeshError):
     """The transport asked for cannot be used here (one line for the user)."""
 
 
@@ -70,6 +71,7 @@ def choose(name: str = "auto") -> Transport:
             raise TransportError(
                 f"--transport libwebrtc needs the wrtc package "
                 f"(pip install 'daisyweb[fast]'): {e}") from None
+        transport_libwebrtc.check_loopback_only()
         return transport_libwebrtc.TRANSPORT
     from daisyweb.net import transport_aiortc
 

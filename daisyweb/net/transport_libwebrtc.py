@@ -42,9 +42,13 @@ __all__ = ["LOOPBACK_ONLY_VAR", "TRANSPORT", "non_loopback_interfaces"]
 LOOPBACK_ONLY_VAR = "DAISYWEB_LOOPBACK_ONLY"
 
 
-def non_loopback_interfaces(sys_net: Path = Path("/sys/class/net")) -> list[str]:
-    """Network interfaces of this namespace other than ``lo`` (sorted)."""
-    return sorted(p.name for p in sys_net.iterdir() if p.name != "lo")
+def non_loopback_interfaces(net_dev: Path = Path("/proc/self/net/dev")) -> list[str]:
+    """Network interfaces of this process's network namespace other than ``lo``, sorted.
+
+    ``/proc/self/net/dev`` follows the namespace (``/sys/class/net`` shows the one sysfs
+    was mounted in)."""
+    names = [ln.split(":", 1)[0].strip() for ln in net_dev.read_text().splitlines()[2:]]
+    return sorted(n for n in names if n and n != "lo")
 
 
 def check_loopback_only() -> None:

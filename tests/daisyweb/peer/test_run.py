@@ -10,6 +10,7 @@ peer's per-step weight hash.
 from __future__ import annotations
 
 import asyncio
+import itertools
 import json
 import os
 import signal
@@ -108,12 +109,21 @@ class Peer:
             raise AssertionError(f"{self.name} hung:\n{self.log.read_text()}") from None
 
 
+def _transports() -> Iterator[str | None]:
+    """``$DAISYWEB_TEST_PEER_TRANSPORTS`` (comma-separated), cycled over the peers a group
+    spawns in order (the leader first); unset: no flag, so the suite's aiortc. Set only
+    inside a loopback-only network namespace (``tests/daisyweb/net/test_libwebrtc.py``)."""
+    names = os.environ.get("DAISYWEB_TEST_PEER_TRANSPORTS")
+    return itertools.cycle(names.split(",")) if names else itertools.repeat(None)
+
+
 @dataclass
 class Group:
     server: str
     tmp: Path
     room: str
     peers: list[Peer] = field(default_factory=list)
+    transports: Iterator[str | None] = field(default_factory=_transports)
 
     @property
     def grads(self) -> Path:
@@ -128,6 +138,9 @@ class Group:
                "--room", self.room, "--name", name, "--ice-host", "127.0.0.1",
                "--approve", "auto", "--metrics", str(metrics), "--join-timeout", "60",
                *args]
+        transport = next(self.transports)
+        if transport is not None:
+            cmd += ["--transport", transport]
         full_env = dict(os.environ, PYTHONUNBUFFERED="1",
                         DAISYWEB_TEST_DUMP_GRADS=str(self.grads), **(env or {}))
         with open(log, "w") as out:
