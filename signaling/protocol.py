@@ -152,7 +152,8 @@ def _status_extras(msg: dict) -> dict[str, Any]:
     if "transport" in msg:  # the peer's WebRTC implementation
         transport = _field(msg, "transport", (str,), "a string")
         if transport not in TRANSPORTS:
-            raise ProtocolError("bad_field", "transport must be one of " + ", ".join(TRANSPORTS))
+            raise ProtocolError("bad_field",
+                                "field 'transport' must be one of " + ", ".join(TRANSPORTS))
         out["transport"] = transport
     if "comm_share" in msg:  # the share of the round's wall time spent communicating
         out["comm_share"] = _number_in(msg, "comm_share", 0.0, 1.0)

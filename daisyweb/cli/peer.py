@@ -189,13 +189,13 @@ def check_ice_flags(parser: argparse.ArgumentParser, args: argparse.Namespace) -
             parse_server_url(url, turn=True)
         except ValueError as e:
             parser.error(f"--turn: {e}")
-    if args.turn_credential is None:
+    if not args.turn and (args.turn_user or args.turn_credential):
+        parser.error("--turn-user/--turn-credential need --turn")
+    if args.turn and args.turn_credential is None:
         args.turn_credential = os.environ.get("DAISYWEB_TURN_CREDENTIAL") or None
     if args.turn and (not args.turn_user or not args.turn_credential):
         parser.error("--turn needs --turn-user and --turn-credential "
                      "(or $DAISYWEB_TURN_CREDENTIAL)")
-    if not args.turn and (args.turn_user or args.turn_credential):
-        parser.error("--turn-user/--turn-credential need --turn")
     if args.relay and not args.turn:
         parser.error("--relay needs --turn (relayed candidates come from a TURN server)")
     for addr in args.ice_host:

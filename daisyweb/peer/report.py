@@ -128,13 +128,19 @@ class Report:
                 step=done, loss=self.last_loss,
                 hash=c.weight_hash[:16], peers=len(c.roster),
                 tokens_per_s=float(tokens_per_s), probe=c.probe_hash[:16], state="training",
-                mode=mode(run), round=c.step + 1, transport=self.opts.transport,
+                mode=mode(run), round=c.step + 1, **self._transport(),
                 comm_share=min(max(comm_share, 0.0), 1.0),  # the server refuses outside 0..1
                 # Every report, not just the evaluated one: the client coalesces reports
                 # (the latest wins), which would otherwise drop it in a fast run.
                 **({"heldout_loss": self.last_heldout[0],
                     "heldout_step": self.last_heldout[1]}
                    if self.last_heldout is not None else {}))
+
+    def _transport(self) -> dict[str, str]:
+        """The WebRTC implementation for the dashboard, once run_peer resolved it (an
+        in-process test mesh leaves "auto", which the server would refuse)."""
+        t = self.opts.transport
+        return {"transport": t} if t in ("aiortc", "libwebrtc") else {}
 
     def _maybe_evaluate(self, state: TrainState, done: int) -> tuple[float, float] | None:
         """Held-out loss and its seconds when ``--eval-every`` says so (else None).
@@ -178,7 +184,7 @@ class Report:
             await status.report_status(
                 step=state.step, loss=self.last_loss, hash=end["weight_hash"][:16],
                 peers=self.last_peers, state="done" if code == 0 else "halted",
-                mode=mode(state.run), transport=self.opts.transport, **self.last_extra)
+                mode=mode(state.run), **self._transport(), **self.last_extra)
         if code == 0:
             log(f"done at step {state.step}, weight hash {end['weight_hash'][:16]}"
                 + (f", saved {saved}" if saved else ""))

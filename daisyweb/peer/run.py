@@ -46,8 +46,6 @@ async def run_peer(
     one process over an in-memory mesh with the same interface.
     """
     hooks = TestHooks.from_env() if hooks is None else hooks
-    if mesh_factory is None:
-        opts.transport = resolve_transport(opts.transport)
     if opts.save:
         parent = Path(opts.save).resolve().parent
         if parent.exists() and not parent.is_dir():
@@ -63,4 +61,6 @@ async def run_peer(
     except OSError as exc:  # the only file the driver opens up front is --metrics
         raise PeerError(2, f"--metrics: cannot open {opts.metrics}: "
                            f"{exc.strerror or exc}") from None
+    if mesh_factory is None:  # after the file checks: a bad file stays one line
+        opts.transport = resolve_transport(opts.transport)
     return await driver.main()
