@@ -17,7 +17,8 @@ frame is never stuck behind a big message.
 
 aiortc delivers received data through a synchronous callback that cannot be paused,
 so the receive side is bounded by bytes instead: reassembly holds at most
-``max_message_bytes`` per in-flight message, and the event queue at most its
+``max_message_bytes`` per in-flight message and ``max_reassembly_bytes`` in all (a peer
+that would go over is dropped: ``protocol.budget``), and the event queue at most its
 ``max_bytes`` of received-but-unread messages; a peer that would push past that is
 dropped (``PeerDown``) rather than letting memory grow. So is a peer that sends more
 than ``MAX_BAD_MESSAGES`` broken messages. Any frame received counts as liveness, so a
@@ -72,6 +73,7 @@ class Link:
         settings: IceSettings,
         events: EventQueue,
         max_message_bytes: int,
+        max_reassembly_bytes: int,
         msg_ids: Iterator[int],
         on_drop: Callable[[Link], None],
     ) -> None:
@@ -89,7 +91,8 @@ class Link:
         self._max_message_bytes = max_message_bytes
         self._msg_ids = msg_ids  # shared by the mesh's links: ids never repeat
         self._on_drop = on_drop
-        self._reassembler = framing.Reassembler(max_total=max_message_bytes)
+        self._reassembler = framing.Reassembler(max_total=max_message_bytes,
+                                                max_buffered=max_reassembly_bytes)
         self._last_rx = time.monotonic()
         self._send_lock = asyncio.Lock()
         self._drained = asyncio.Event()
@@ -163,6 +166,11 @@ class Link:
         self._last_rx = time.monotonic()
         self.opened.set()
         self._events.put(PeerUp(self.peer))
+
+    def set_limits(self, max_message_bytes: int, max_reassembly_bytes: int) -> None:
+        """The run's bounds: largest message, bytes held in reassembly."""
+        self._max_message_bytes = max_message_bytes
+        self._reassembler.set_limits(max_message_bytes, max_reassembly_bytes)
 
     # ------------------------------------------------------------------ end of life
 
@@ -238,6 +246,10 @@ class Link:
             return
         try:
             whole = self._reassembler.feed(data)
+        except framing.BudgetExceeded as e:
+            # More in reassembly than any honest peer of this run sends at once.
+            self.drop(f"reassembly budget exceeded: {e}")
+            return
         except wire.WireError as e:
             msg_id = framing.frame_id(data)
             if msg_id is not None and msg_id in self._refused:

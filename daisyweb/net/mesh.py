@@ -101,6 +101,7 @@ class Mesh:
         heartbeat_timeout: float = 5.0,
         max_message_bytes: int = 256 * 2**20,
         max_pending_bytes: int | None = None,
+        max_reassembly_bytes: int | None = None,
         connect_timeout: float = CONNECT_TIMEOUT,
     ) -> None:
         if heartbeat_interval <= 0 or heartbeat_timeout <= heartbeat_interval:
@@ -124,6 +125,10 @@ class Mesh:
         self._heartbeat_interval = heartbeat_interval
         self._heartbeat_timeout = heartbeat_timeout
         self._max_message_bytes = max_message_bytes
+        # Until the run is known (limit_messages), one message of the cap at a time per
+        # link, and one more starting: 2 x 256 MiB, not 64 x.
+        self._max_reassembly_bytes = (max_reassembly_bytes if max_reassembly_bytes is not None
+                                      else 2 * max_message_bytes)
         self._connect_timeout = connect_timeout
         self.drop_outgoing = None
 
@@ -190,6 +195,14 @@ class Mesh:
         if self._dropped(peer, message):
             return
         await link.send(data)
+
+    def limit_messages(self, max_message_bytes: int, max_reassembly_bytes: int) -> None:
+        """Bound every link, now and later, by this run's largest legal message and its
+        reassembly budget (``protocol.budget``); never above the mesh's own cap."""
+        self._max_message_bytes = min(max_message_bytes, self._max_message_bytes)
+        self._max_reassembly_bytes = max_reassembly_bytes
+        for link in self._links.values():
+            link.set_limits(self._max_message_bytes, max_reassembly_bytes)
 
     async def report_status(self, **fields: Any) -> None:
         """Send ``{"type": "status", **fields}`` to the signaling server (the dashboard).
@@ -258,6 +271,7 @@ class Mesh:
             settings=self._ice,
             events=self._events,
             max_message_bytes=self._max_message_bytes,
+            max_reassembly_bytes=self._max_reassembly_bytes,
             msg_ids=self._msg_ids,
             on_drop=self._forget,
         )

@@ -47,7 +47,7 @@ from daisyweb.peer.items import (
 )
 from daisyweb.peer.options import PeerError, PeerOptions, log, mesh_transport_options
 from daisyweb.peer.report import Report
-from daisyweb.protocol import sync, wire
+from daisyweb.protocol import budget, sync, wire
 from daisyweb.training.state import TrainState, probe_hash
 
 __all__ = ["TICK_S", "Driver", "MeshFactory"]
@@ -230,6 +230,8 @@ class Driver:
             await self._handle(item)
 
     def _make_replica(self, state: TrainState) -> None:
+        largest = budget.largest_message(state.size)  # the run is known: bound every link
+        self.mesh.limit_messages(largest, budget.link_budget(state.size))
         self.trainer = make_trainer(state)
         self.replica = Replica(self.trainer, self.faults)
         self.encoder = RecordingEncoder(state.run.codec, state.size)

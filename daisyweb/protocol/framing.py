@@ -32,7 +32,8 @@ from collections import OrderedDict
 
 from daisyweb.protocol.wire import MAX_U64, WireError
 
-__all__ = ["MAX_FRAME", "HEADER_SIZE", "CHUNK", "frame", "frame_id", "Reassembler"]
+__all__ = ["MAX_FRAME", "HEADER_SIZE", "CHUNK", "BudgetExceeded", "frame", "frame_id",
+           "Reassembler"]
 
 MAX_FRAME = 48 * 1024
 _HEADER = struct.Struct("<4sQIII8s")
@@ -81,6 +82,11 @@ def frame_id(data: bytes) -> int | None:
     return msg_id if magic == _MAGIC else None
 
 
+class BudgetExceeded(WireError):
+    """A new message would push the bytes reserved for reassembly over ``max_buffered``:
+    the sender is not following the protocol (the receiver drops it, not the message)."""
+
+
 class _Partial:
     __slots__ = ("count", "total", "checksum", "chunks", "size")
 
@@ -95,19 +101,24 @@ class _Partial:
 class Reassembler:
     """Collects frames (any order, interleaved ids) into whole messages.
 
-    Memory is bounded by ``max_in_flight * max_total`` bytes of chunks plus a
-    fixed-size memory of ``recent`` finished/refused ids. Any refused frame
-    drops the partial state of its message id (if one exists) and raises
-    WireError; other messages are unaffected.
+    Memory is bounded by ``max_buffered`` bytes of chunks (the declared totals of the
+    messages in progress are reserved when their first frame arrives; default
+    ``max_in_flight * max_total``) plus a fixed-size memory of ``recent``
+    finished/refused ids. Any refused frame drops the partial state of its message id
+    (if one exists) and raises WireError; other messages are unaffected. A new message
+    that does not fit the budget raises :class:`BudgetExceeded`.
     """
 
     def __init__(
-        self, max_total: int = 256 * 1024 * 1024, max_in_flight: int = 64, recent: int = 1024
+        self, max_total: int = 256 * 1024 * 1024, max_in_flight: int = 64, recent: int = 1024,
+        max_buffered: int | None = None,
     ) -> None:
         if max_total < 1 or max_in_flight < 1 or recent < 0:
             raise ValueError("max_total and max_in_flight must be >= 1, recent >= 0")
         self.max_total = max_total
         self.max_in_flight = max_in_flight
+        self.max_buffered = max_in_flight * max_total if max_buffered is None else max_buffered
+        self._reserved = 0  # declared totals of the partial messages
         self._recent_cap = recent
         self._partials: dict[int, _Partial] = {}
         # Ids already completed or refused: late/duplicate frames for them must
@@ -124,9 +135,30 @@ class Reassembler:
         """Bytes of chunks held for incomplete messages."""
         return sum(p.size for p in self._partials.values())
 
+    @property
+    def reserved_bytes(self) -> int:
+        """Declared sizes of the incomplete messages (what the budget counts)."""
+        return self._reserved
+
+    def set_limits(self, max_total: int, max_buffered: int) -> None:
+        """New bounds (the run became known); messages already in progress are kept."""
+        if max_total < 1 or max_buffered < 1:
+            raise ValueError("max_total and max_buffered must be >= 1")
+        self.max_total = max_total
+        self.max_buffered = max_buffered
+
     def discard(self, msg_id: int) -> None:
         """Forget a partial message (e.g. its sender went away)."""
-        self._partials.pop(msg_id, None)
+        p = self._partials.pop(msg_id, None)
+        if p is not None:
+            self._reserved -= p.total
+
+    def _drop(self, msg_id: int) -> bool:
+        p = self._partials.pop(msg_id, None)
+        if p is None:
+            return False
+        self._reserved -= p.total
+        return True
 
     def _remember(self, msg_id: int) -> None:
         if not self._recent_cap:
@@ -138,7 +170,7 @@ class Reassembler:
 
     def _refuse(self, msg_id: int | None, why: str) -> WireError:
         if msg_id is not None:
-            had = self._partials.pop(msg_id, None) is not None
+            had = self._drop(msg_id)
             self._remember(msg_id)
             if had:
                 why += f" (partial message {msg_id} dropped)"
@@ -185,8 +217,15 @@ class Reassembler:
                 raise self._refuse(
                     msg_id, f"message {msg_id}: too many messages in flight ({self.max_in_flight})"
                 )
+            if count > 1 and self._reserved + total > self.max_buffered:
+                self._remember(msg_id)  # its other frames are refused without a new error
+                raise BudgetExceeded(
+                    f"message {msg_id} of {total:,} bytes would hold "
+                    f"{self._reserved + total:,} bytes in reassembly, over the budget of "
+                    f"{self.max_buffered:,}")
             p = _Partial(count, total, digest)
             self._partials[msg_id] = p
+            self._reserved += total
         elif (p.count, p.total, p.checksum) != (count, total, digest):
             raise self._refuse(
                 msg_id,
@@ -200,7 +239,7 @@ class Reassembler:
         p.size += len(chunk)
         if len(p.chunks) < p.count:
             return None
-        del self._partials[msg_id]
+        self._drop(msg_id)
         self._remember(msg_id)
         data = b"".join(p.chunks[i] for i in range(p.count))
         if _checksum(data) != p.checksum:

@@ -491,3 +491,44 @@ async def test_unreachable_server():
     m = Mesh("http://127.0.0.1:9", ice_hosts=["127.0.0.1"], join_timeout=3)
     with pytest.raises(MeshError, match="cannot connect"):
         await m.start()
+
+
+async def test_reassembly_over_budget_loses_that_link_only(srv):
+    # b holds at most 300 kB of messages being reassembled; a starts two messages of
+    # 200 kB each (first frames only, as a hostile or broken peer would) and is dropped,
+    # while b's link to c carries on.
+    a = srv.mesh(name="a")
+    b = srv.mesh(name="b", max_reassembly_bytes=300_000)
+    c = srv.mesh(name="c")
+    for m in (a, b, c):
+        await m.start()
+    for m, others in ((a, (b,)), (b, (a, c)), (c, (b,))):
+        for o in others:
+            await until(m, up(o.self_id), timeout=8)
+    ch = a._links[b.self_id].channel
+    first = [framing.frame(wire.encode(grad(a.self_id, 200_000, step=i)), 500 + i)[0]
+             for i in range(2)]
+    for f in first:
+        ch.send(f)
+    seen: list = []
+    e = await until(b, lambda e: isinstance(e, PeerDown), seen=seen)
+    assert e.peer == a.self_id and e.reason.startswith("reassembly budget exceeded: ")
+    assert "over the budget of 300,000" in e.reason
+    assert not any(isinstance(x, BadMessage) for x in seen)  # one drop, no error stream
+    g = grad(c.self_id, 250_000)  # under the budget: still fine on the other link
+    await c.send(b.self_id, g)
+    assert (await until(b, received(c.self_id))).message == g
+    assert c.self_id in b.connected() and a.self_id not in b.connected()
+
+
+async def test_limit_messages_bounds_every_link(srv):
+    a, b = await connected_pair(srv)
+    b.limit_messages(100_000, 250_000)
+    link = b._links[a.self_id]
+    assert (link._max_message_bytes, link._reassembler.max_total,
+            link._reassembler.max_buffered) == (100_000, 100_000, 250_000)
+    await a.send(b.self_id, grad(a.self_id, 150_000))  # over the run's largest message
+    e = await until(b, lambda e: isinstance(e, (BadMessage, Received)))
+    assert isinstance(e, BadMessage) and "over limit 100000" in e.error
+    b.limit_messages(10**12, 250_000)  # never above the mesh's own cap
+    assert b._max_message_bytes == 100_000

@@ -29,7 +29,7 @@ from daisyweb.checkpoints.checkpoint import Checkpoint, load_checkpoint
 from daisyweb.model import init_params
 from daisyweb.net import MeshError, PeerDown, PeerUp, Received
 from daisyweb.peer import PeerError, PeerOptions, TestHooks, report, run_peer
-from daisyweb.protocol import framing, wire
+from daisyweb.protocol import budget, framing, wire
 from daisyweb.training.config import RunConfig
 from daisyweb.training.replay import replay_hashes, replay_rounds
 
@@ -262,6 +262,9 @@ class FakeMesh:
     async def report_status(self, **fields: object) -> None:
         self.status.append(fields)
 
+    def limit_messages(self, max_message_bytes: int, max_reassembly_bytes: int) -> None:
+        self.limits = (max_message_bytes, max_reassembly_bytes)
+
     async def close(self) -> None:
         if self.closed:
             return
@@ -330,6 +333,10 @@ def test_in_process_group_matches_replay(tmp_path: Path, server: str) -> None:
     want = replay_hashes(init_params(tiny_run().model, 3), tiny_run().adam(), spec)
     assert list(hashes.pop()) == want
     assert all(rs[-1]["end"] == "done" for rs in recs)
+    # every peer bounded its links by this run's largest message once it knew the run
+    size = init_params(tiny_run().model, 3).size
+    assert {m.limits for m in hub.all} == {(budget.largest_message(size),
+                                            budget.link_budget(size))}
 
 
 def test_in_process_eval_every_records_the_heldout_loss_of_the_shared_weights(
