@@ -210,7 +210,7 @@ class Link:
 
     async def send(self, data: bytes) -> None:
         """Send one encoded message (waits while the channel buffer is full)."""
-        frames = framing.frame(data, next(self._msg_ids))
+        frames = framing.iter_frames(data, next(self._msg_ids))  # made as they go out
         async with self._send_lock:  # one message at a time: frames never interleave
             channel = self.channel
             assert channel is not None

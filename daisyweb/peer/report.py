@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import contextlib
 import math
+import resource
 import sys
 import time
 from collections.abc import Awaitable
@@ -24,7 +25,13 @@ from daisyweb.training.evaluate import heldout_batches, heldout_loss
 from daisyweb.training.metrics import MetricsWriter, Progress, kernel_line, kernel_report
 from daisyweb.training.state import TrainState
 
-__all__ = ["Report", "StatusSink"]
+__all__ = ["Report", "StatusSink", "peak_rss_bytes"]
+
+
+def peak_rss_bytes() -> int:
+    """This process's peak resident memory (Linux ``ru_maxrss`` is in KiB)."""
+    kib = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    return int(kib) * (1 if sys.platform == "darwin" else 1024)
 
 
 class StatusSink(Protocol):
@@ -176,6 +183,7 @@ class Report:
                                "weight_hash": shared_hash}
         if save_error is not None:
             end["save_error"] = save_error
+        end["peak_rss_bytes"] = peak_rss_bytes()  # VmHWM: what this peer needed at most
         kernels: dict[str, Any] | None = None  # as kernel_report() types it
         with contextlib.suppress(Exception):  # the report must never hide the run's end
             kernels = end["kernels"] = kernel_report()

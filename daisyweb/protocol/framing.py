@@ -29,11 +29,12 @@ from __future__ import annotations
 import hashlib
 import struct
 from collections import OrderedDict
+from collections.abc import Iterator
 
 from daisyweb.protocol.wire import MAX_U64, WireError
 
 __all__ = ["MAX_FRAME", "HEADER_SIZE", "CHUNK", "BudgetExceeded", "frame", "frame_id",
-           "Reassembler"]
+           "iter_frames", "Reassembler"]
 
 MAX_FRAME = 48 * 1024
 _HEADER = struct.Struct("<4sQIII8s")
@@ -54,20 +55,26 @@ def _count_for(total: int) -> int:
 
 def frame(msg_bytes: bytes, msg_id: int) -> list[bytes]:
     """Cut one encoded message into frames of at most MAX_FRAME bytes each."""
+    return list(iter_frames(msg_bytes, msg_id))
+
+
+def iter_frames(msg_bytes: bytes, msg_id: int) -> Iterator[bytes]:
+    """The frames of :func:`frame`, made one at a time as the sender takes them (a big
+    message is not copied into a list of frames first). Checked before the first one."""
     if type(msg_id) is not int or not 0 <= msg_id <= MAX_U64:
         raise WireError(f"msg_id must be a u64, got {msg_id!r}")
     if not isinstance(msg_bytes, (bytes, bytearray, memoryview)):
         raise WireError(f"message must be bytes, got {type(msg_bytes).__name__}")
-    data = bytes(msg_bytes)
+    data = memoryview(msg_bytes).cast("B")
     total = len(data)
     if not 1 <= total <= _MAX_TOTAL_FIELD:
         raise WireError(f"message length {total} not in [1, {_MAX_TOTAL_FIELD}]")
     count = _count_for(total)
     digest = _checksum(data)
-    return [
+    return (
         _HEADER.pack(_MAGIC, msg_id, i, count, total, digest) + data[i * CHUNK : (i + 1) * CHUNK]
         for i in range(count)
-    ]
+    )
 
 
 def frame_id(data: bytes) -> int | None:
@@ -88,13 +95,16 @@ class BudgetExceeded(WireError):
 
 
 class _Partial:
-    __slots__ = ("count", "total", "checksum", "chunks", "size")
+    # Chunks are copied into one buffer of the declared size as they arrive (what the
+    # budget reserved), so completing a message never holds its bytes twice.
+    __slots__ = ("count", "total", "checksum", "buf", "have", "size")
 
     def __init__(self, count: int, total: int, checksum: bytes) -> None:
         self.count = count
         self.total = total
         self.checksum = checksum
-        self.chunks: dict[int, bytes] = {}
+        self.buf = bytearray(total)
+        self.have: set[int] = set()
         self.size = 0
 
 
@@ -176,8 +186,9 @@ class Reassembler:
                 why += f" (partial message {msg_id} dropped)"
         return WireError(why)
 
-    def feed(self, frame: bytes) -> bytes | None:
-        """Add one frame; return the whole message when it completes, else None."""
+    def feed(self, frame: bytes) -> bytearray | None:
+        """Add one frame; return the whole message when it completes, else None (a
+        bytearray: the buffer it was assembled in, not copied again)."""
         if not isinstance(frame, (bytes, bytearray, memoryview)):
             raise WireError(f"frame must be bytes, got {type(frame).__name__}")
         frame = bytes(frame)
@@ -203,7 +214,7 @@ class Reassembler:
             )
         if index >= count:
             raise self._refuse(msg_id, f"message {msg_id}: index {index} >= count {count}")
-        chunk = frame[HEADER_SIZE:]
+        chunk = memoryview(frame)[HEADER_SIZE:]
         want = CHUNK if index < count - 1 else total - (count - 1) * CHUNK
         if len(chunk) != want:
             raise self._refuse(
@@ -233,15 +244,15 @@ class Reassembler:
                 f"(count/total/checksum {count}/{total}/{digest.hex()} vs "
                 f"{p.count}/{p.total}/{p.checksum.hex()})",
             )
-        if index in p.chunks:
+        if index in p.have:
             raise self._refuse(msg_id, f"message {msg_id}: duplicate frame {index}")
-        p.chunks[index] = chunk
+        p.have.add(index)
+        p.buf[index * CHUNK : index * CHUNK + len(chunk)] = chunk
         p.size += len(chunk)
-        if len(p.chunks) < p.count:
+        if len(p.have) < p.count:
             return None
         self._drop(msg_id)
         self._remember(msg_id)
-        data = b"".join(p.chunks[i] for i in range(p.count))
-        if _checksum(data) != p.checksum:
+        if _checksum(p.buf) != p.checksum:
             raise WireError(f"message {msg_id}: checksum mismatch, message dropped")
-        return data
+        return p.buf
