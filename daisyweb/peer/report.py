@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import contextlib
 import math
-import resource
 import sys
 import time
 from collections.abc import Awaitable
@@ -29,7 +28,12 @@ __all__ = ["Report", "StatusSink", "peak_rss_bytes"]
 
 
 def peak_rss_bytes() -> int:
-    """This process's peak resident memory (Linux ``ru_maxrss`` is in KiB)."""
+    """This process's peak resident memory (Linux ``ru_maxrss`` is in KiB); 0 where the
+    platform has no ``resource`` module (Windows)."""
+    try:
+        import resource
+    except ImportError:
+        return 0
     kib = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
     return int(kib) * (1 if sys.platform == "darwin" else 1024)
 
