@@ -222,7 +222,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = parse_args(argv)
     # Imported late so that flag errors are instant and never pay for numpy/aiortc.
     from daisyweb.peer import PeerError, options_from_args, run_peer
+    from daisyweb.peer.memory import tune_malloc
 
+    tune_malloc()  # before the big arrays: freed ones go back to the system
     _use_uvloop()
     try:
         return asyncio.run(run_peer(options_from_args(args)))
