@@ -38,7 +38,10 @@ from daisyweb.training.evaluate import DEFAULT_BATCHES, heldout_batches, heldout
 
 ROOT = Path(__file__).resolve().parent.parent
 STEP_TOKENS = int(DEFAULTS["batch"]) * int(DEFAULTS["seq"])  # one peer's tokens per step
-ENV = dict(os.environ, OPENBLAS_NUM_THREADS="1", PYTHONUNBUFFERED="1")
+# aiortc, the transport every install has (and the slower one): libwebrtc runs only
+# inside a loopback-only network namespace (bench.mesh compares the two there).
+ENV = dict(os.environ, OPENBLAS_NUM_THREADS="1", PYTHONUNBUFFERED="1",
+           DAISYWEB_TRANSPORT="aiortc", DAISYWEB_LOOPBACK_ONLY="1")
 MODES = [  # (label, sync_every, codec, overlap)
     ("lockstep f32", 1, "f32", 0),
     ("lockstep int8", 1, "int8", 0),

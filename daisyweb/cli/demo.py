@@ -64,6 +64,9 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--save-every", type=int, default=0, metavar="K",
                    help="also checkpoint every K steps (needs --save)")
     p.add_argument("--metrics", metavar="FILE.jsonl", help="one JSON object per step")
+    p.add_argument("--transport", choices=("auto", "aiortc", "libwebrtc"), default=None,
+                   help="the peers' WebRTC implementation (default auto: libwebrtc when the "
+                        "wrtc package is installed, else aiortc); each peer says which")
     p.add_argument("--port", type=int, default=8787,
                    help="signaling/dashboard port for --peers >= 2 (default 8787; 0 = any)")
     return p
@@ -211,6 +214,8 @@ def peer_commands(args: argparse.Namespace, run: RunConfig, server: str,
     # Every peer admits with --approve auto: hosting passes on if the host leaves.
     base = [sys.executable, "-m", "daisyweb.cli.peer", "--server", server, "--room", room,
             "--ice-host", "127.0.0.1", "--join-timeout", "60", "--approve", "auto"]
+    if args.transport is not None:  # else each peer's default (auto, or $DAISYWEB_TRANSPORT)
+        base += ["--transport", args.transport]
     leader = base + [
         "--name", "peer-0", "--start", "--wait-peers", str(args.peers),
         "--width", str(run.model.width), "--layers", str(run.model.layers),

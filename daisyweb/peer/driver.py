@@ -47,9 +47,9 @@ from daisyweb.peer.items import (
     Tick,
     is_hello,
 )
-from daisyweb.peer.options import PeerError, PeerOptions, log
+from daisyweb.peer.options import PeerError, PeerOptions, log, mesh_transport_options
 from daisyweb.peer.report import Report
-from daisyweb.protocol import sync, wire
+from daisyweb.protocol import budget, sync, wire
 from daisyweb.training.rounds import Contribution, HeadStart, RoundTrainer
 from daisyweb.training.state import TrainState, probe_hash
 
@@ -106,6 +106,7 @@ class Driver:
             approve=approve_callback(self.opts.approve, self._host_link),
             ice_hosts=self.opts.ice_hosts or None,
             stun=list(self.opts.stun), join_timeout=self.opts.join_timeout,
+            **mesh_transport_options(self.opts),
             heartbeat_interval=self.opts.heartbeat_interval,
             heartbeat_timeout=self.opts.heartbeat_timeout,
         )
@@ -245,6 +246,8 @@ class Driver:
             await self._handle(item)
 
     def _make_replica(self, state: TrainState) -> None:
+        largest = budget.largest_message(state.size)  # the run is known: bound every link
+        self.mesh.limit_messages(largest, budget.link_budget(state.size))
         self.trainer = make_trainer(state)
         self.replica = Replica(self.trainer, self.faults)
         self.encoder = RecordingEncoder(state.run.codec, state.size)

@@ -24,7 +24,18 @@ from daisyweb.training.evaluate import heldout_batches, heldout_loss
 from daisyweb.training.metrics import MetricsWriter, Progress, kernel_line, kernel_report
 from daisyweb.training.state import TrainState
 
-__all__ = ["Report", "StatusSink"]
+__all__ = ["Report", "StatusSink", "peak_rss_bytes"]
+
+
+def peak_rss_bytes() -> int:
+    """This process's peak resident memory (Linux ``ru_maxrss`` is in KiB); 0 where the
+    platform has no ``resource`` module (Windows)."""
+    try:
+        import resource
+    except ImportError:
+        return 0
+    kib = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    return int(kib) * (1 if sys.platform == "darwin" else 1024)
 
 
 class StatusSink(Protocol):
@@ -132,6 +143,7 @@ class Report:
             "compute_s": compute_s, "wall_s": wall_s, "comm_share": comm_share,
             "mode": mode(run), "sync_every": run.sync_every, "codec": run.codec,
             "round": c.step + 1, "bytes_sent": encoder.bytes_sent, "head_steps": head_steps,
+            "transport": self.opts.transport,
         }
         if heldout is not None:
             record["heldout_loss"], record["eval_s"] = heldout
@@ -159,13 +171,19 @@ class Report:
                 step=done, loss=self.last_loss,
                 hash=c.weight_hash[:16], peers=len(c.roster),
                 tokens_per_s=float(tokens_per_s), probe=c.probe_hash[:16], state="training",
-                mode=mode(run), round=c.step + 1,
+                mode=mode(run), round=c.step + 1, **self._transport(),
                 comm_share=min(max(comm_share, 0.0), 1.0),  # the server refuses outside 0..1
                 # Every report, not just the evaluated one: the client coalesces reports
                 # (the latest wins), which would otherwise drop it in a fast run.
                 **({"heldout_loss": self.last_heldout[0],
                     "heldout_step": self.last_heldout[1]}
                    if self.last_heldout is not None else {}))
+
+    def _transport(self) -> dict[str, str]:
+        """The WebRTC implementation for the dashboard, once run_peer resolved it (an
+        in-process test mesh leaves "auto", which the server would refuse)."""
+        t = self.opts.transport
+        return {"transport": t} if t in ("aiortc", "libwebrtc") else {}
 
     def _maybe_evaluate(self, state: TrainState, done: int) -> tuple[float, float] | None:
         """Held-out loss and its seconds when ``--eval-every`` says so (else None).
@@ -201,6 +219,7 @@ class Report:
                                "weight_hash": shared_hash}
         if save_error is not None:
             end["save_error"] = save_error
+        end["peak_rss_bytes"] = peak_rss_bytes()  # VmHWM: what this peer needed at most
         kernels: dict[str, Any] | None = None  # as kernel_report() types it
         with contextlib.suppress(Exception):  # the report must never hide the run's end
             kernels = end["kernels"] = kernel_report()
@@ -209,7 +228,7 @@ class Report:
             await status.report_status(
                 step=state.step, loss=self.last_loss, hash=end["weight_hash"][:16],
                 peers=self.last_peers, state="done" if code == 0 else "halted",
-                mode=mode(state.run), **self.last_extra)
+                mode=mode(state.run), **self._transport(), **self.last_extra)
         if code == 0:
             log(f"done at step {state.step}, weight hash {end['weight_hash'][:16]}"
                 + (f", saved {saved}" if saved else ""))
