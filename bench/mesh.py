@@ -319,7 +319,7 @@ def _raw_child(conn: Connection, total: int, rounds: int) -> None:
 async def _raw_receiver(conn: Connection, total: int, rounds: int) -> None:
     from aiortc import RTCPeerConnection, RTCSessionDescription
 
-    from daisyweb.net import ice
+    from daisyweb.net import transport_aiortc as ice
 
     ice.restrict_host_candidates([LOOPBACK])
     pc = RTCPeerConnection(ice.rtc_configuration())
@@ -351,7 +351,7 @@ async def _raw_receiver(conn: Connection, total: int, rounds: int) -> None:
 async def _raw_rounds(cfg: Config) -> list[float]:
     from aiortc import RTCPeerConnection, RTCSessionDescription
 
-    from daisyweb.net import ice
+    from daisyweb.net import transport_aiortc as ice
     from daisyweb.net.link import SEND_HIGH_WATER, SEND_LOW_WATER
 
     ice.restrict_host_candidates([LOOPBACK])

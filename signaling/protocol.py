@@ -26,6 +26,7 @@ SIGNAL_KINDS = ("offer", "answer", "candidate")
 # Optional status fields shown on the dashboard. "ok"/"bad" are the usual probe
 # values; any short string (e.g. a probe hash prefix) is accepted too.
 RUN_STATES = ("starting", "training", "halted", "done", "waiting")
+TRANSPORTS = ("aiortc", "libwebrtc")  # a status report's WebRTC implementation
 MAX_NAME_CHARS = 64
 MAX_HASH_CHARS = 16
 MAX_PROBE_CHARS = 16
@@ -148,6 +149,12 @@ def _status_extras(msg: dict) -> dict[str, Any]:
         out["mode"] = _text(msg, "mode", MAX_MODE_CHARS)
     if "round" in msg:
         out["round"] = _int_in(msg, "round", 0, MAX_STEP)
+    if "transport" in msg:  # the peer's WebRTC implementation
+        transport = _field(msg, "transport", (str,), "a string")
+        if transport not in TRANSPORTS:
+            raise ProtocolError("bad_field",
+                                "field 'transport' must be one of " + ", ".join(TRANSPORTS))
+        out["transport"] = transport
     if "comm_share" in msg:  # the share of the round's wall time spent communicating
         out["comm_share"] = _number_in(msg, "comm_share", 0.0, 1.0)
     if "heldout_loss" in msg:

@@ -45,7 +45,7 @@ RATE_BURST = 100.0
 MAX_PER_ADDRESS = 32
 # Report fields a peer sends only now and then (held-out loss at --eval-every boundaries,
 # the round fields not in the final report): a later report without them keeps the last.
-STICKY_FIELDS = ("mode", "round", "comm_share", "heldout_loss", "heldout_step")
+STICKY_FIELDS = ("mode", "round", "comm_share", "heldout_loss", "heldout_step", "transport")
 _order = itertools.count()
 # WebSocket close codes with their reasons (a reason is at most 123 bytes).
 CLOSE_POLICY = 1008

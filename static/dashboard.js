@@ -347,6 +347,8 @@ function drawGroup(info) {
       el("td", r && isNum(r.round) ? r.round : "–", "round"),
       el("td", r ? pct(r.comm_share) : "–", "comm"),
       el("td", r && isNum(r.heldout_loss) ? fmt(r.heldout_loss, 4) : "–", "heldout"),
+      el("td", r && typeof r.transport === "string" ? clip(r.transport, MAX_FIELD) : "–",
+        "transport"),
       el("td", age));
     tbody.appendChild(tr);
   }

@@ -15,6 +15,11 @@ import pytest
 from daisyweb.net import ice
 
 os.environ[ice.ENV_VAR] = "127.0.0.1"
+# libwebrtc gathers every interface's address: peers that do not ask for a transport use
+# aiortc, and a libwebrtc peer refuses to start outside a loopback-only network namespace
+# (tests/netns.py runs those scenarios under ``unshare --net``).
+os.environ["DAISYWEB_TRANSPORT"] = "aiortc"
+os.environ["DAISYWEB_LOOPBACK_ONLY"] = "1"
 
 
 

@@ -55,12 +55,18 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--codec", choices=CODEC_NAMES,
                    help=f"what peers exchange (default {DEFAULTS['codec']})")
     p.add_argument("--outer-lr", type=float, help=f"default {DEFAULTS['outer_lr']}")
+    p.add_argument("--overlap", type=int, metavar="K",
+                   help="steps of each round run while the last exchange is in flight "
+                        f"(default {DEFAULTS['overlap']}, below --sync-every)")
     p.add_argument("--save", metavar="FILE.pt", help="write the final checkpoint here")
     p.add_argument("--eval-every", type=int, default=0, metavar="K",
                    help="leader: held-out loss every K steps in progress and metrics")
     p.add_argument("--save-every", type=int, default=0, metavar="K",
                    help="also checkpoint every K steps (needs --save)")
     p.add_argument("--metrics", metavar="FILE.jsonl", help="one JSON object per step")
+    p.add_argument("--transport", choices=("auto", "aiortc", "libwebrtc"), default=None,
+                   help="the peers' WebRTC implementation (default auto: libwebrtc when the "
+                        "wrtc package is installed, else aiortc); each peer says which")
     p.add_argument("--port", type=int, default=8787,
                    help="signaling/dashboard port for --peers >= 2 (default 8787; 0 = any)")
     return p
@@ -72,7 +78,7 @@ def _run_config(args: argparse.Namespace, parser: argparse.ArgumentParser) -> Ru
         return run_config(vocab, width=args.width, layers=args.layers, heads=args.heads,
                           seq=args.seq, batch=args.batch, steps=args.steps, lr=args.lr,
                           seed=args.seed, data="builtin", sync_every=args.sync_every,
-                          codec=args.codec, outer_lr=args.outer_lr)
+                          codec=args.codec, outer_lr=args.outer_lr, overlap=args.overlap)
     except ValueError as exc:
         parser.error(str(exc))
         raise  # unreachable: parser.error exits
@@ -208,13 +214,15 @@ def peer_commands(args: argparse.Namespace, run: RunConfig, server: str,
     # Every peer admits with --approve auto: hosting passes on if the host leaves.
     base = [sys.executable, "-m", "daisyweb.cli.peer", "--server", server, "--room", room,
             "--ice-host", "127.0.0.1", "--join-timeout", "60", "--approve", "auto"]
+    if args.transport is not None:  # else each peer's default (auto, or $DAISYWEB_TRANSPORT)
+        base += ["--transport", args.transport]
     leader = base + [
         "--name", "peer-0", "--start", "--wait-peers", str(args.peers),
         "--width", str(run.model.width), "--layers", str(run.model.layers),
         "--heads", str(run.model.heads), "--seq", str(run.model.seq),
         "--batch", str(run.batch), "--steps", str(run.steps), "--lr", repr(run.lr),
         "--seed", str(run.seed), "--sync-every", str(run.sync_every), "--codec", run.codec,
-        "--outer-lr", repr(run.outer_lr)]
+        "--outer-lr", repr(run.outer_lr), "--overlap", str(run.overlap)]
     if args.save:
         leader += ["--save", args.save]
         if args.save_every:

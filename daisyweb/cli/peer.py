@@ -4,12 +4,17 @@
         [--start --width W --layers L --heads H --seq S --batch B --steps N --lr LR --seed X]
         [--resume FILE.pt] [--save FILE.pt] [--save-every K] [--metrics FILE.jsonl]
         [--join-timeout SECONDS] [--stun URL ...] [--ice-host ADDR ...]
-        [--wait-peers N]
+        [--turn URL --turn-user NAME --turn-credential SECRET [--relay]]
+        [--transport auto|aiortc|libwebrtc] [--wait-peers N]
 
 ``--start`` makes this peer the leader; its model flags are the run's config. Without
 ``--start`` the model flags are refused (the leader's config wins). ``--wait-peers N``
 (leader only, default 1) waits for N peers in all before step 0; later peers join at a
-step boundary. Exit codes: 0 done, 1 the run halted, 2 bad flags or files, 3 not
+step boundary. ``--transport auto`` (the default) uses libwebrtc when the ``wrtc`` package
+is installed (``pip install 'daisyweb[fast]'``), aiortc otherwise. The TURN credential may
+also come from ``$DAISYWEB_TURN_CREDENTIAL`` (kept off the process list).
+
+Exit codes: 0 done, 1 the run halted, 2 bad flags or files, 3 not
 admitted (timeout or denied), 130 interrupted.
 """
 
@@ -22,16 +27,20 @@ import sys
 from collections.abc import Callable, Sequence
 from urllib.parse import urlsplit
 
+from daisyweb.net.ice import parse_server_url  # pure Python too
+
 # Both pure Python, so flag errors stay instant. daisyweb.rules.DEFAULTS is the one set of
 # run defaults (also daisyweb.training.config.DEFAULTS, and daisyweb-demo's).
-from daisyweb.rules import CODEC_NAMES, DEFAULTS, FIELD_RULES, check_heads
+from daisyweb.rules import CODEC_NAMES, DEFAULTS, FIELD_RULES, check_heads, default_overlap
 from signaling.protocol import ROOM_RULE, valid_room  # the server's own room rule
+
+TRANSPORTS = ("auto", "aiortc", "libwebrtc")  # daisyweb.net.transport.NAMES, without imports
 
 __all__ = ["DEFAULTS", "build_parser", "parse_args", "main"]
 
 PROG = "daisyweb-peer"
 _MODEL_FLAGS = ("width", "layers", "heads", "seq", "batch", "steps", "lr", "seed",
-                "sync_every", "outer_lr")
+                "sync_every", "outer_lr", "overlap")
 _RUN_FLAGS = (*_MODEL_FLAGS, "codec")
 
 
@@ -112,7 +121,19 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--metrics", default=None, metavar="FILE.jsonl")
     p.add_argument("--join-timeout", type=_positive_float, default=60.0, metavar="SECONDS")
     p.add_argument("--stun", action="append", default=[], metavar="URL")
-    p.add_argument("--ice-host", action="append", default=[], metavar="ADDR")
+    p.add_argument("--ice-host", action="append", default=[], metavar="ADDR",
+                   help="only this host address in ICE (repeatable); 127.0.0.1 for one machine")
+    p.add_argument("--turn", action="append", default=[], metavar="URL",
+                   help="TURN server turn:HOST[:PORT][?transport=udp|tcp] (repeatable)")
+    p.add_argument("--turn-user", default=None, metavar="NAME")
+    p.add_argument("--turn-credential", default=None, metavar="SECRET",
+                   help="TURN password (or $DAISYWEB_TURN_CREDENTIAL)")
+    p.add_argument("--relay", action="store_true",
+                   help="only relayed (TURN) candidates: traffic always goes through --turn")
+    p.add_argument("--transport", choices=TRANSPORTS,
+                   default=os.environ.get("DAISYWEB_TRANSPORT") or "auto",
+                   help="WebRTC implementation: libwebrtc (wrtc, fast) when installed, "
+                        "else aiortc (default auto, or $DAISYWEB_TRANSPORT)")
     p.add_argument("--wait-peers", type=_positive_int, default=1, metavar="N",
                    help="leader: peers in all (itself included) before step 0")
     return p
@@ -142,15 +163,51 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
             parser.error("--wait-peers needs --start")
     if args.save_every and not args.save:
         parser.error("--save-every needs --save")
+    check_ice_flags(parser, args)
     if args.start and not args.resume:
         for f in _MODEL_FLAGS:
-            if getattr(args, f) is None:
+            if getattr(args, f) is None and f != "overlap":  # overlap: within the round
                 setattr(args, f, DEFAULTS[f])
+        if args.overlap is None:
+            args.overlap = default_overlap(args.sync_every)
+        elif args.overlap and args.overlap >= args.sync_every:
+            parser.error(f"--overlap {args.overlap} must be less than --sync-every "
+                         f"{args.sync_every}")
         try:
             check_heads(args.width, args.heads)
         except ValueError:
             parser.error(f"--width {args.width} is not divisible by --heads {args.heads}")
     return args
+
+
+def check_ice_flags(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
+    """--stun/--turn URLs, TURN credentials, --relay and --ice-host, cross-checked."""
+    import ipaddress
+
+    for url in args.stun:
+        try:
+            parse_server_url(url, turn=False)
+        except ValueError as e:
+            parser.error(f"--stun: {e}")
+    for url in args.turn:
+        try:
+            parse_server_url(url, turn=True)
+        except ValueError as e:
+            parser.error(f"--turn: {e}")
+    if not args.turn and (args.turn_user or args.turn_credential):
+        parser.error("--turn-user/--turn-credential need --turn")
+    if args.turn and args.turn_credential is None:
+        args.turn_credential = os.environ.get("DAISYWEB_TURN_CREDENTIAL") or None
+    if args.turn and (not args.turn_user or not args.turn_credential):
+        parser.error("--turn needs --turn-user and --turn-credential "
+                     "(or $DAISYWEB_TURN_CREDENTIAL)")
+    if args.relay and not args.turn:
+        parser.error("--relay needs --turn (relayed candidates come from a TURN server)")
+    for addr in args.ice_host:
+        try:
+            ipaddress.ip_address(addr)
+        except ValueError:
+            parser.error(f"--ice-host must be an IP address, got {addr[:80]!r}")
 
 
 def _use_uvloop() -> None:
@@ -170,7 +227,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = parse_args(argv)
     # Imported late so that flag errors are instant and never pay for numpy/aiortc.
     from daisyweb.peer import PeerError, options_from_args, run_peer
+    from daisyweb.peer.memory import tune_malloc
 
+    tune_malloc()  # before the big arrays: freed ones go back to the system
     _use_uvloop()
     try:
         return asyncio.run(run_peer(options_from_args(args)))

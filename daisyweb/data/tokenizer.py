@@ -13,6 +13,7 @@ Vocabulary file (JSON, UTF-8):
 
 from __future__ import annotations
 
+import array
 import functools
 import hashlib
 import heapq
@@ -175,8 +176,11 @@ class Tokenizer:
         if not isinstance(text, str):
             raise TypeError(f"encode takes str, not {type(text).__name__}")
         cache = self._cache
-        out: list[int] = []
-        for word in self._re.findall(text):
+        # Words one at a time (finditer, not findall) into 4-byte ids: the built-in corpus
+        # as a list of ~1 M word strings and Python ints peaked at ~70 MB per peer.
+        out = array.array("i")
+        for match in self._re.finditer(text):
+            word = match.group()
             ids = cache.get(word)
             if ids is None:
                 if len(word) > MAX_WORD:
@@ -187,7 +191,7 @@ class Tokenizer:
                     if len(cache) < CACHE_WORDS:
                         cache[word] = ids
             out.extend(ids)
-        return np.array(out, dtype=np.int32)
+        return np.frombuffer(out, dtype=np.int32).copy() if out else np.zeros(0, np.int32)
 
     def decode(self, ids: Iterable[int] | np.ndarray) -> str:
         arr = np.asarray(ids)

@@ -1,5 +1,9 @@
 """One peer link: an ``RTCPeerConnection`` with one reliable, ordered data channel.
 
+The connection comes from the mesh's :class:`~daisyweb.net.transport.Transport` (aiortc
+or libwebrtc, same API); every session description this link signals or takes is
+filtered to the ``--ice-host`` addresses first (``ice.filter_candidates``).
+
 A :class:`Link` negotiates (offer, answer), opens its channel, and carries whole
 :mod:`daisyweb.protocol.wire` messages as :mod:`daisyweb.protocol.framing` frames of at
 most 48 KiB. It puts what happens on it (``PeerUp``, ``Received``, ``BadMessage``,
@@ -13,7 +17,8 @@ frame is never stuck behind a big message.
 
 aiortc delivers received data through a synchronous callback that cannot be paused,
 so the receive side is bounded by bytes instead: reassembly holds at most
-``max_message_bytes`` per in-flight message, and the event queue at most its
+``max_message_bytes`` per in-flight message and ``max_reassembly_bytes`` in all (a peer
+that would go over is dropped: ``protocol.budget``), and the event queue at most its
 ``max_bytes`` of received-but-unread messages; a peer that would push past that is
 dropped (``PeerDown``) rather than letting memory grow. So is a peer that sends more
 than ``MAX_BAD_MESSAGES`` broken messages. Any frame received counts as liveness, so a
@@ -30,8 +35,6 @@ from collections import deque
 from collections.abc import Callable, Iterator
 from typing import Any
 
-from aiortc import RTCConfiguration, RTCDataChannel, RTCPeerConnection, RTCSessionDescription
-
 from daisyweb.net.events import (
     BadMessage,
     EventQueue,
@@ -40,6 +43,8 @@ from daisyweb.net.events import (
     PeerUp,
     Received,
 )
+from daisyweb.net.ice import IceSettings, filter_candidates
+from daisyweb.net.transport import Transport
 from daisyweb.protocol import framing, wire
 
 __all__ = ["Link", "SEND_HIGH_WATER", "SEND_LOW_WATER", "CHANNEL_LABEL", "MAX_BAD_MESSAGES"]
@@ -64,16 +69,20 @@ class Link:
         peer: str,
         session: int,
         *,
-        configuration: RTCConfiguration,
+        transport: Transport,
+        settings: IceSettings,
         events: EventQueue,
         max_message_bytes: int,
+        max_reassembly_bytes: int,
         msg_ids: Iterator[int],
         on_drop: Callable[[Link], None],
     ) -> None:
         self.peer = peer
         self.session = session  # which offer this link belongs to (stale answers are ignored)
-        self.pc = RTCPeerConnection(configuration)
-        self.channel: RTCDataChannel | None = None
+        self._transport = transport
+        self._hosts = settings.hosts
+        self.pc = transport.peer_connection(settings)
+        self.channel: Any = None  # the transport's RTCDataChannel
         self.up = False
         self.dead = False
         self.opened = asyncio.Event()
@@ -82,7 +91,8 @@ class Link:
         self._max_message_bytes = max_message_bytes
         self._msg_ids = msg_ids  # shared by the mesh's links: ids never repeat
         self._on_drop = on_drop
-        self._reassembler = framing.Reassembler(max_total=max_message_bytes)
+        self._reassembler = framing.Reassembler(max_total=max_message_bytes,
+                                                max_buffered=max_reassembly_bytes)
         self._last_rx = time.monotonic()
         self._send_lock = asyncio.Lock()
         self._drained = asyncio.Event()
@@ -108,9 +118,7 @@ class Link:
 
     async def answer(self, offer: dict[str, Any]) -> dict[str, Any]:
         """Answerer side: take the peer's offer; return the answer to signal."""
-        await self.pc.setRemoteDescription(
-            RTCSessionDescription(sdp=str(offer["sdp"]), type="offer")
-        )
+        await self.pc.setRemoteDescription(self._remote(offer, "offer"))
         await self.pc.setLocalDescription(await self.pc.createAnswer())
         return self._local_description()
 
@@ -118,25 +126,30 @@ class Link:
         """Offerer side: take the peer's answer (ignored unless an offer is pending)."""
         if self.pc.signalingState != "have-local-offer":
             return
-        await self.pc.setRemoteDescription(
-            RTCSessionDescription(sdp=str(answer["sdp"]), type="answer")
-        )
+        await self.pc.setRemoteDescription(self._remote(answer, "answer"))
+
+    def _remote(self, data: dict[str, Any], kind: str) -> Any:
+        # Only candidates on --ice-host addresses are probed, whatever the peer sent.
+        return self._transport.description(filter_candidates(str(data["sdp"]), self._hosts),
+                                           kind)
 
     def _local_description(self) -> dict[str, Any]:
         desc = self.pc.localDescription
-        return {"sdp": desc.sdp, "type": desc.type, "session": self.session}
+        # Only --ice-host candidates (and never mDNS ones) leave this machine.
+        return {"sdp": filter_candidates(desc.sdp, self._hosts), "type": desc.type,
+                "session": self.session}
 
     def _state_changed(self) -> None:
         if self.pc.connectionState in ("failed", "closed"):
             self.drop(f"connection {self.pc.connectionState}")
 
-    def _channel_offered(self, channel: RTCDataChannel) -> None:
+    def _channel_offered(self, channel: Any) -> None:
         if self.channel is None and channel.label == CHANNEL_LABEL:
             self._attach(channel)
         else:
             log.warning("unexpected data channel %r from %s", channel.label, self.peer)
 
-    def _attach(self, channel: RTCDataChannel) -> None:
+    def _attach(self, channel: Any) -> None:
         self.channel = channel
         channel.bufferedAmountLowThreshold = SEND_LOW_WATER
         channel.on("bufferedamountlow", self._drained.set)
@@ -153,6 +166,11 @@ class Link:
         self._last_rx = time.monotonic()
         self.opened.set()
         self._events.put(PeerUp(self.peer))
+
+    def set_limits(self, max_message_bytes: int, max_reassembly_bytes: int) -> None:
+        """The run's bounds: largest message, bytes held in reassembly."""
+        self._max_message_bytes = max_message_bytes
+        self._reassembler.set_limits(max_message_bytes, max_reassembly_bytes)
 
     # ------------------------------------------------------------------ end of life
 
@@ -192,7 +210,7 @@ class Link:
 
     async def send(self, data: bytes) -> None:
         """Send one encoded message (waits while the channel buffer is full)."""
-        frames = framing.frame(data, next(self._msg_ids))
+        frames = framing.iter_frames(data, next(self._msg_ids))  # made as they go out
         async with self._send_lock:  # one message at a time: frames never interleave
             channel = self.channel
             assert channel is not None
@@ -228,6 +246,10 @@ class Link:
             return
         try:
             whole = self._reassembler.feed(data)
+        except framing.BudgetExceeded as e:
+            # More in reassembly than any honest peer of this run sends at once.
+            self.drop(f"reassembly budget exceeded: {e}")
+            return
         except wire.WireError as e:
             msg_id = framing.frame_id(data)
             if msg_id is not None and msg_id in self._refused:

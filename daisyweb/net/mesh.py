@@ -12,7 +12,8 @@ The pieces behind it, one module each:
   relay of offers and answers, status reports (through :mod:`signaling.protocol`).
 * :mod:`daisyweb.net.link`: one ``RTCPeerConnection`` and its channel: framing,
   backpressure, reassembly, receive bounds, misbehaving peers, liveness.
-* :mod:`daisyweb.net.ice`: which ICE candidates are gathered.
+* :mod:`daisyweb.net.ice`: which ICE candidates are gathered and signaled, ICE servers.
+* :mod:`daisyweb.net.transport`: which WebRTC implementation (aiortc or libwebrtc).
 
 This module decides who connects to whom. The lower peer id (string compare) always
 offers, so two peers never offer to each other (no glare); when a link dies while both
@@ -49,6 +50,7 @@ from daisyweb.net.events import (
 from daisyweb.net.link import Link
 from daisyweb.net.signaling_client import Approve, SignalingClient
 from daisyweb.net.tasks import TaskSet, cancel, reap
+from daisyweb.net.transport import Transport, choose
 from daisyweb.protocol import wire
 
 # The events and errors are re-exported for callers that import this module; new code
@@ -91,11 +93,15 @@ class Mesh:
         approve: Approve | None = None,
         ice_hosts: Sequence[str] | None = None,
         stun: Sequence[str] = (),
+        turn: Sequence[ice.IceServer] = (),
+        relay_only: bool = False,
+        transport: str | Transport = "aiortc",
         join_timeout: float = 60.0,
         heartbeat_interval: float = 1.0,
         heartbeat_timeout: float = 5.0,
         max_message_bytes: int = 256 * 2**20,
         max_pending_bytes: int | None = None,
+        max_reassembly_bytes: int | None = None,
         connect_timeout: float = CONNECT_TIMEOUT,
     ) -> None:
         if heartbeat_interval <= 0 or heartbeat_timeout <= heartbeat_interval:
@@ -111,11 +117,18 @@ class Mesh:
             on_members=self._on_members,
             on_signal=self._on_signal,
         )
-        self._ice_hosts = list(ice_hosts) if ice_hosts is not None else None
-        self._stun = tuple(stun)
+        hosts = list(ice_hosts) if ice_hosts is not None else ice.hosts_from_env()
+        servers = (*(ice.IceServer(u) for u in stun), *turn)
+        self._ice = ice.IceSettings(ice.normalize_hosts(hosts), tuple(servers), relay_only)
+        # TransportError (wrtc missing) surfaces here, before anything connects.
+        self.transport = choose(transport) if isinstance(transport, str) else transport
         self._heartbeat_interval = heartbeat_interval
         self._heartbeat_timeout = heartbeat_timeout
         self._max_message_bytes = max_message_bytes
+        # Until the run is known (limit_messages), one message of the cap at a time per
+        # link, and one more starting: 2 x 256 MiB, not 64 x.
+        self._max_reassembly_bytes = (max_reassembly_bytes if max_reassembly_bytes is not None
+                                      else 2 * max_message_bytes)
         self._connect_timeout = connect_timeout
         self.drop_outgoing = None
 
@@ -148,10 +161,9 @@ class Mesh:
         if self._started:
             raise MeshError("start() called twice")
         self._started = True
-        # The one place candidate restriction lives (process-wide in aioice).
-        hosts = self._ice_hosts if self._ice_hosts is not None else ice.hosts_from_env()
-        if hosts:
-            ice.restrict_host_candidates(hosts)
+        # The one place process-wide ICE set-up lives (aioice's addresses, libwebrtc's
+        # loopback switch); each link filters what it signals to the same hosts.
+        self.transport.prepare(self._ice)
         try:
             await self._signaling.join()
         except BaseException:
@@ -183,6 +195,14 @@ class Mesh:
         if self._dropped(peer, message):
             return
         await link.send(data)
+
+    def limit_messages(self, max_message_bytes: int, max_reassembly_bytes: int) -> None:
+        """Bound every link, now and later, by this run's largest legal message and its
+        reassembly budget (``protocol.budget``); never above the mesh's own cap."""
+        self._max_message_bytes = min(max_message_bytes, self._max_message_bytes)
+        self._max_reassembly_bytes = max_reassembly_bytes
+        for link in self._links.values():
+            link.set_limits(self._max_message_bytes, max_reassembly_bytes)
 
     async def report_status(self, **fields: Any) -> None:
         """Send ``{"type": "status", **fields}`` to the signaling server (the dashboard).
@@ -247,9 +267,11 @@ class Mesh:
         link = Link(
             peer,
             session,
-            configuration=ice.rtc_configuration(self._stun),
+            transport=self.transport,
+            settings=self._ice,
             events=self._events,
             max_message_bytes=self._max_message_bytes,
+            max_reassembly_bytes=self._max_reassembly_bytes,
             msg_ids=self._msg_ids,
             on_drop=self._forget,
         )

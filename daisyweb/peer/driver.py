@@ -14,9 +14,11 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import signal
 import time
 from collections.abc import Callable, Iterable
+from dataclasses import dataclass
 
 from daisyweb.checkpoints.checkpoint import TokenizerInfo, checkpoint_to_bytes
 from daisyweb.data import Tokenizer
@@ -45,9 +47,10 @@ from daisyweb.peer.items import (
     Tick,
     is_hello,
 )
-from daisyweb.peer.options import PeerError, PeerOptions, log
+from daisyweb.peer.options import PeerError, PeerOptions, log, mesh_transport_options
 from daisyweb.peer.report import Report
-from daisyweb.protocol import sync, wire
+from daisyweb.protocol import budget, sync, wire
+from daisyweb.training.rounds import Contribution, HeadStart, RoundTrainer
 from daisyweb.training.state import TrainState, probe_hash
 
 __all__ = ["TICK_S", "Driver", "MeshFactory"]
@@ -55,6 +58,15 @@ __all__ = ["TICK_S", "Driver", "MeshFactory"]
 TICK_S = 0.2
 
 MeshFactory = Callable[..., Mesh]
+
+
+@dataclass(frozen=True)
+class PendingHead:
+    """The head start of round ``index`` (``--overlap``), computing in a worker thread
+    while the previous round's exchange is in flight."""
+
+    index: int
+    future: asyncio.Future[HeadStart | None]
 
 
 class Driver:
@@ -83,6 +95,7 @@ class Driver:
         # only after it, so a peer of another version is refused before it gets one.
         self.hello_from: set[str] = set()
         self.tasks: list[asyncio.Task[None]] = []
+        self.head: PendingHead | None = None  # at most one, and never beside a compute
         self.result: tuple[int, str] | None = None
 
     # ------------------------------------------------------------------ setup
@@ -93,6 +106,7 @@ class Driver:
             approve=approve_callback(self.opts.approve, self._host_link),
             ice_hosts=self.opts.ice_hosts or None,
             stun=list(self.opts.stun), join_timeout=self.opts.join_timeout,
+            **mesh_transport_options(self.opts),
             heartbeat_interval=self.opts.heartbeat_interval,
             heartbeat_timeout=self.opts.heartbeat_timeout,
         )
@@ -157,16 +171,19 @@ class Driver:
         """Print the dashboard approval link whenever this peer gets (new) hosting, and
         a member's own dashboard link once (a private room shows only to its members)."""
         shown = None
-        member_shown = False
+        member_polls = 0  # polls that saw a member link (printed on the second)
         while True:
             link = self._host_link()
             if link is not None and link != shown:
                 shown = link
                 log(f"hosting this room; dashboard with Accept/Deny (keep it private): {link}")
             member = getattr(getattr(self, "mesh", None), "member_link", lambda: None)()
-            if link is None and member is not None and not member_shown:
-                member_shown = True
-                log(f"dashboard of this room (keep it private): {member}")
+            if shown is None and member is not None:
+                member_polls += 1
+                # A host's key comes just after its welcome: one more poll, so a host
+                # prints its host link only, never the member link first.
+                if member_polls == 2:
+                    log(f"dashboard of this room (keep it private): {member}")
             await asyncio.sleep(0.5)
 
     async def _ticker(self) -> None:
@@ -229,6 +246,8 @@ class Driver:
             await self._handle(item)
 
     def _make_replica(self, state: TrainState) -> None:
+        largest = budget.largest_message(state.size)  # the run is known: bound every link
+        self.mesh.limit_messages(largest, budget.link_budget(state.size))
         self.trainer = make_trainer(state)
         self.replica = Replica(self.trainer, self.faults)
         self.encoder = RecordingEncoder(state.run.codec, state.size)
@@ -294,15 +313,51 @@ class Driver:
     async def _gradient_ready(self, m: sync.StepMachine, item: GradientReady,
                               now: float) -> None:
         step, contribution = item.step, item.contribution
-        self.report.gradient_ready(step, item.secs, now)
+        self.report.gradient_ready(step, item.secs, now, contribution.head_steps)
         self.trainer.stage(contribution)
         self.encoder.last_payload = b""
+        current = not m.done and step == m.boundary
         actions = m.local_gradient(step, contribution.loss, contribution.vector, now)
         if self.faults.dumps and self.encoder.last_payload:
             # What every member decodes from our bytes: the replay oracle's input.
             self.faults.dump(m.self_id, step,
                              self.encoder.decode(self.encoder.last_payload, m.replica.size))
         await self._do(actions)
+        if current and self.result is None:
+            self._start_head(m, step + 1, contribution)
+
+    def _start_head(self, m: sync.StepMachine, index: int, previous: Contribution) -> None:
+        """Start round ``index``'s first ``overlap`` steps while this exchange is in flight."""
+        assert self.state is not None
+        overlap = self.state.run.overlap
+        if (not overlap or not isinstance(self.trainer, RoundTrainer)
+                or index >= m.total_steps or self.head is not None):
+            return
+        trainer = self.trainer
+        t0 = time.perf_counter()
+
+        def finished(_: object) -> None:
+            self.report.head_finished(index, time.perf_counter() - t0, time.monotonic())
+
+        future = asyncio.get_running_loop().run_in_executor(
+            None, trainer.head_start, index, self.feed.batch, previous, overlap)
+        future.add_done_callback(finished)
+        self.report.head_started(index)
+        self.head = PendingHead(index, future)
+
+    async def _take_head(self, step: int) -> HeadStart | None:
+        """The head start of round ``step`` if one was computed; any other one in flight
+        is waited for (one computation at a time uses the sampler) and dropped."""
+        pending, self.head = self.head, None
+        if pending is None:
+            return None
+        try:
+            head = await pending.future
+        except Exception as exc:  # the whole round is computed again, which will say why
+            log(f"head start of round {pending.index} failed ({type(exc).__name__}); "
+                f"computing the round whole")
+            return None
+        return head if pending.index == step else None
 
     async def _mesh_event(self, m: sync.StepMachine, item: MeshItem, now: float) -> None:
         ev = item.event
@@ -361,16 +416,21 @@ class Driver:
         if self.faults.step_delay:
             await asyncio.sleep(self.faults.step_delay)
         loop = asyncio.get_running_loop()
+        head = await self._take_head(step)
         t0 = time.perf_counter()
+        compute = self.trainer.contribute
+        if head is not None:
+            compute = functools.partial(self.trainer.contribute, head=head)
         try:
-            contribute = self.faults.contribution(step, self.trainer.contribute)
+            contribute = self.faults.contribution(step, compute)
             contribution = await loop.run_in_executor(None, contribute, step, self.feed.batch)
         except Exception as exc:
             # Any failure here (a kernel refusing a NaN activation, a bug) must halt the
             # group: a peer that silently never sends its gradient stalls everyone.
             await self.queue.put(GradientFailed(step, exc))
             return
-        await self.queue.put(GradientReady(step, contribution, time.perf_counter() - t0))
+        secs = time.perf_counter() - t0 + self.report.head_secs(step if head else None)
+        await self.queue.put(GradientReady(step, contribution, secs))
 
     def _send_snapshot(self, peer: str, step: int) -> None:
         assert self.state is not None

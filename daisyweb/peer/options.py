@@ -8,7 +8,10 @@ import sys
 from dataclasses import dataclass, field
 from urllib.parse import urlsplit, urlunsplit
 
-__all__ = ["PeerError", "PeerOptions", "data_url", "log", "options_from_args"]
+from daisyweb.net.ice import IceServer
+
+__all__ = ["PeerError", "PeerOptions", "data_url", "log", "options_from_args",
+           "mesh_transport_options"]
 
 
 class PeerError(Exception):
@@ -34,6 +37,7 @@ class PeerOptions:
     sync_every: int | None = None
     codec: str | None = None
     outer_lr: float | None = None
+    overlap: int | None = None
     resume: str | None = None
     save: str | None = None
     save_every: int = 0
@@ -42,6 +46,11 @@ class PeerOptions:
     join_timeout: float = 60.0
     stun: list[str] = field(default_factory=list)
     ice_hosts: list[str] = field(default_factory=list)
+    turn: list[str] = field(default_factory=list)  # turn:HOST:PORT URLs
+    turn_user: str | None = None
+    turn_credential: str | None = None
+    relay: bool = False  # relayed candidates only (iceTransportPolicy "relay")
+    transport: str = "auto"  # auto | aiortc | libwebrtc; run_peer resolves "auto"
     wait_peers: int = 1
     heartbeat_interval: float = 1.0
     heartbeat_timeout: float = 5.0
@@ -58,10 +67,12 @@ def options_from_args(args: argparse.Namespace) -> PeerOptions:
         server=args.server, room=args.room, name=args.name, approve=args.approve,
         start=args.start, model=model, batch=args.batch, steps=args.steps, lr=args.lr,
         seed=args.seed, sync_every=args.sync_every, codec=args.codec, outer_lr=args.outer_lr,
-        resume=args.resume, save=args.save, save_every=args.save_every,
+        overlap=args.overlap, resume=args.resume, save=args.save, save_every=args.save_every,
         eval_every=args.eval_every,
         metrics=args.metrics, join_timeout=args.join_timeout, stun=list(args.stun),
         ice_hosts=list(args.ice_host), wait_peers=args.wait_peers,
+        turn=list(args.turn), turn_user=args.turn_user, turn_credential=args.turn_credential,
+        relay=args.relay, transport=args.transport,
     )
 
 
@@ -75,3 +86,9 @@ def data_url(server: str) -> str:
 def log(msg: str) -> None:
     """One line on stderr, prefixed like every line the peer prints."""
     print(f"daisyweb-peer: {msg}", file=sys.stderr, flush=True)
+
+
+def mesh_transport_options(opts: PeerOptions) -> dict[str, object]:
+    """The Mesh keywords for the WebRTC implementation and TURN (issue 17)."""
+    turn = [IceServer(u, opts.turn_user, opts.turn_credential) for u in opts.turn]
+    return {"transport": opts.transport, "turn": turn, "relay_only": opts.relay}

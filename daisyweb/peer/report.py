@@ -24,7 +24,18 @@ from daisyweb.training.evaluate import heldout_batches, heldout_loss
 from daisyweb.training.metrics import MetricsWriter, Progress, kernel_line, kernel_report
 from daisyweb.training.state import TrainState
 
-__all__ = ["Report", "StatusSink"]
+__all__ = ["Report", "StatusSink", "peak_rss_bytes"]
+
+
+def peak_rss_bytes() -> int:
+    """This process's peak resident memory (Linux ``ru_maxrss`` is in KiB); 0 where the
+    platform has no ``resource`` module (Windows)."""
+    try:
+        import resource
+    except ImportError:
+        return 0
+    kib = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    return int(kib) * (1 if sys.platform == "darwin" else 1024)
 
 
 class StatusSink(Protocol):
@@ -52,6 +63,9 @@ class Report:
         self.step_t0: dict[int, float] = {}
         self.compute_s: dict[int, float] = {}
         self.grad_ready: dict[int, float] = {}
+        self.head_steps: dict[int, int] = {}
+        # Head starts (--overlap) by round: started, and when done: (seconds, finished at).
+        self.heads: dict[int, tuple[float, float] | None] = {}
 
     def begin(self, state: TrainState) -> None:
         """The run starts (or joins) at ``state.step``."""
@@ -65,9 +79,34 @@ class Report:
         """The machine asked for the contribution of ``step``: its wall time starts."""
         self.step_t0.setdefault(step, time.monotonic())
 
-    def gradient_ready(self, step: int, compute_s: float, now: float) -> None:
+    def head_started(self, index: int) -> None:
+        """Round ``index``'s head start began (while the previous exchange is in flight)."""
+        self.heads[index] = None
+        for old in [k for k in self.heads if k < index - 2]:
+            del self.heads[old]
+
+    def head_finished(self, index: int, secs: float, now: float) -> None:
+        if index in self.heads:
+            self.heads[index] = (secs, now)
+
+    def head_secs(self, index: int | None) -> float:
+        """Seconds of round ``index``'s head start (0 for none)."""
+        done = self.heads.get(index) if index is not None else None
+        return done[0] if done else 0.0
+
+    def _idle_from(self, step: int, ready: float, now: float) -> float:
+        """When this peer ran out of work while round ``step`` was exchanged: when its
+        contribution was ready or, with a head start of the next round, when that ended."""
+        if step + 1 not in self.heads:
+            return ready
+        done = self.heads[step + 1]
+        return now if done is None else max(ready, done[1])
+
+    def gradient_ready(self, step: int, compute_s: float, now: float,
+                       head_steps: int = 0) -> None:
         """Our contribution of ``step`` is computed; the exchange starts."""
         self.compute_s[step] = compute_s
+        self.head_steps[step] = head_steps
         self.grad_ready[step] = now
 
     async def commit(self, c: sync.Commit, trainer: Trainer, state: TrainState,
@@ -82,7 +121,11 @@ class Report:
         t0 = self.step_t0.pop(c.step, now)
         ready = self.grad_ready.pop(c.step, now)
         compute_s = self.compute_s.pop(c.step, 0.0)
-        comm_s = max(0.0, now - ready)
+        head_steps = self.head_steps.pop(c.step, 0)
+        # comm_s: the exchange's time not hidden behind the next round's head start
+        # (the communication share users see); exchange_s: all of it.
+        exchange_s = max(0.0, now - ready)
+        comm_s = max(0.0, now - self._idle_from(c.step, ready, now))
         wall_s = max(0.0, now - t0)
         comm_share = comm_s / wall_s if wall_s > 0 else 0.0
         loss = c.loss if c.loss is not None else math.nan
@@ -96,10 +139,11 @@ class Report:
         record = {
             "step": done, "loss": loss, "weight_hash": c.weight_hash,
             "probe_hash": c.probe_hash, "roster": list(c.roster),
-            "tokens_per_s": tokens_per_s, "comm_s": comm_s,
+            "tokens_per_s": tokens_per_s, "comm_s": comm_s, "exchange_s": exchange_s,
             "compute_s": compute_s, "wall_s": wall_s, "comm_share": comm_share,
             "mode": mode(run), "sync_every": run.sync_every, "codec": run.codec,
-            "round": c.step + 1, "bytes_sent": encoder.bytes_sent,
+            "round": c.step + 1, "bytes_sent": encoder.bytes_sent, "head_steps": head_steps,
+            "transport": self.opts.transport,
         }
         if heldout is not None:
             record["heldout_loss"], record["eval_s"] = heldout
@@ -127,13 +171,19 @@ class Report:
                 step=done, loss=self.last_loss,
                 hash=c.weight_hash[:16], peers=len(c.roster),
                 tokens_per_s=float(tokens_per_s), probe=c.probe_hash[:16], state="training",
-                mode=mode(run), round=c.step + 1,
+                mode=mode(run), round=c.step + 1, **self._transport(),
                 comm_share=min(max(comm_share, 0.0), 1.0),  # the server refuses outside 0..1
                 # Every report, not just the evaluated one: the client coalesces reports
                 # (the latest wins), which would otherwise drop it in a fast run.
                 **({"heldout_loss": self.last_heldout[0],
                     "heldout_step": self.last_heldout[1]}
                    if self.last_heldout is not None else {}))
+
+    def _transport(self) -> dict[str, str]:
+        """The WebRTC implementation for the dashboard, once run_peer resolved it (an
+        in-process test mesh leaves "auto", which the server would refuse)."""
+        t = self.opts.transport
+        return {"transport": t} if t in ("aiortc", "libwebrtc") else {}
 
     def _maybe_evaluate(self, state: TrainState, done: int) -> tuple[float, float] | None:
         """Held-out loss and its seconds when ``--eval-every`` says so (else None).
@@ -169,6 +219,7 @@ class Report:
                                "weight_hash": shared_hash}
         if save_error is not None:
             end["save_error"] = save_error
+        end["peak_rss_bytes"] = peak_rss_bytes()  # VmHWM: what this peer needed at most
         kernels: dict[str, Any] | None = None  # as kernel_report() types it
         with contextlib.suppress(Exception):  # the report must never hide the run's end
             kernels = end["kernels"] = kernel_report()
@@ -177,7 +228,7 @@ class Report:
             await status.report_status(
                 step=state.step, loss=self.last_loss, hash=end["weight_hash"][:16],
                 peers=self.last_peers, state="done" if code == 0 else "halted",
-                mode=mode(state.run), **self.last_extra)
+                mode=mode(state.run), **self._transport(), **self.last_extra)
         if code == 0:
             log(f"done at step {state.step}, weight hash {end['weight_hash'][:16]}"
                 + (f", saved {saved}" if saved else ""))

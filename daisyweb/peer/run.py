@@ -14,9 +14,24 @@ from pathlib import Path
 from daisyweb.peer.driver import Driver, MeshFactory
 from daisyweb.peer.faults import Faults, TestHooks, break_kernel_for_tests
 from daisyweb.peer.handshake import leader_state, tokenizer_info
-from daisyweb.peer.options import PeerError, PeerOptions
+from daisyweb.peer.options import PeerError, PeerOptions, log
 
-__all__ = ["run_peer"]
+__all__ = ["resolve_transport", "run_peer"]
+
+
+def resolve_transport(name: str) -> str:
+    """The transport ``--transport name`` means here ("auto" resolved), said in the
+    peer's first line; PeerError(2) when the one asked for cannot load."""
+    from daisyweb.net.transport import TransportError, choose
+
+    try:
+        transport = choose(name)
+    except TransportError as exc:
+        raise PeerError(2, str(exc)) from None
+    why = " (auto: wrtc is installed)" if name == "auto" and transport.name == "libwebrtc" \
+        else " (auto: wrtc is not installed)" if name == "auto" else ""
+    log(f"transport: {transport.name}{why}")
+    return transport.name
 
 
 async def run_peer(
@@ -46,4 +61,6 @@ async def run_peer(
     except OSError as exc:  # the only file the driver opens up front is --metrics
         raise PeerError(2, f"--metrics: cannot open {opts.metrics}: "
                            f"{exc.strerror or exc}") from None
+    if mesh_factory is None:  # after the file checks: a bad file stays one line
+        opts.transport = resolve_transport(opts.transport)
     return await driver.main()

@@ -29,10 +29,12 @@ from __future__ import annotations
 import hashlib
 import struct
 from collections import OrderedDict
+from collections.abc import Iterator
 
 from daisyweb.protocol.wire import MAX_U64, WireError
 
-__all__ = ["MAX_FRAME", "HEADER_SIZE", "CHUNK", "frame", "frame_id", "Reassembler"]
+__all__ = ["MAX_FRAME", "HEADER_SIZE", "CHUNK", "BudgetExceeded", "frame", "frame_id",
+           "iter_frames", "Reassembler"]
 
 MAX_FRAME = 48 * 1024
 _HEADER = struct.Struct("<4sQIII8s")
@@ -53,20 +55,26 @@ def _count_for(total: int) -> int:
 
 def frame(msg_bytes: bytes, msg_id: int) -> list[bytes]:
     """Cut one encoded message into frames of at most MAX_FRAME bytes each."""
+    return list(iter_frames(msg_bytes, msg_id))
+
+
+def iter_frames(msg_bytes: bytes, msg_id: int) -> Iterator[bytes]:
+    """The frames of :func:`frame`, made one at a time as the sender takes them (a big
+    message is not copied into a list of frames first). Checked before the first one."""
     if type(msg_id) is not int or not 0 <= msg_id <= MAX_U64:
         raise WireError(f"msg_id must be a u64, got {msg_id!r}")
     if not isinstance(msg_bytes, (bytes, bytearray, memoryview)):
         raise WireError(f"message must be bytes, got {type(msg_bytes).__name__}")
-    data = bytes(msg_bytes)
+    data = memoryview(msg_bytes).cast("B")
     total = len(data)
     if not 1 <= total <= _MAX_TOTAL_FIELD:
         raise WireError(f"message length {total} not in [1, {_MAX_TOTAL_FIELD}]")
     count = _count_for(total)
     digest = _checksum(data)
-    return [
+    return (
         _HEADER.pack(_MAGIC, msg_id, i, count, total, digest) + data[i * CHUNK : (i + 1) * CHUNK]
         for i in range(count)
-    ]
+    )
 
 
 def frame_id(data: bytes) -> int | None:
@@ -81,33 +89,46 @@ def frame_id(data: bytes) -> int | None:
     return msg_id if magic == _MAGIC else None
 
 
+class BudgetExceeded(WireError):
+    """A new message would push the bytes reserved for reassembly over ``max_buffered``:
+    the sender is not following the protocol (the receiver drops it, not the message)."""
+
+
 class _Partial:
-    __slots__ = ("count", "total", "checksum", "chunks", "size")
+    # Chunks are copied into one buffer of the declared size as they arrive (what the
+    # budget reserved), so completing a message never holds its bytes twice.
+    __slots__ = ("count", "total", "checksum", "buf", "have", "size")
 
     def __init__(self, count: int, total: int, checksum: bytes) -> None:
         self.count = count
         self.total = total
         self.checksum = checksum
-        self.chunks: dict[int, bytes] = {}
+        self.buf = bytearray(total)
+        self.have: set[int] = set()
         self.size = 0
 
 
 class Reassembler:
     """Collects frames (any order, interleaved ids) into whole messages.
 
-    Memory is bounded by ``max_in_flight * max_total`` bytes of chunks plus a
-    fixed-size memory of ``recent`` finished/refused ids. Any refused frame
-    drops the partial state of its message id (if one exists) and raises
-    WireError; other messages are unaffected.
+    Memory is bounded by ``max_buffered`` bytes of chunks (the declared totals of the
+    messages in progress are reserved when their first frame arrives; default
+    ``max_in_flight * max_total``) plus a fixed-size memory of ``recent``
+    finished/refused ids. Any refused frame drops the partial state of its message id
+    (if one exists) and raises WireError; other messages are unaffected. A new message
+    that does not fit the budget raises :class:`BudgetExceeded`.
     """
 
     def __init__(
-        self, max_total: int = 256 * 1024 * 1024, max_in_flight: int = 64, recent: int = 1024
+        self, max_total: int = 256 * 1024 * 1024, max_in_flight: int = 64, recent: int = 1024,
+        max_buffered: int | None = None,
     ) -> None:
         if max_total < 1 or max_in_flight < 1 or recent < 0:
             raise ValueError("max_total and max_in_flight must be >= 1, recent >= 0")
         self.max_total = max_total
         self.max_in_flight = max_in_flight
+        self.max_buffered = max_in_flight * max_total if max_buffered is None else max_buffered
+        self._reserved = 0  # declared totals of the partial messages
         self._recent_cap = recent
         self._partials: dict[int, _Partial] = {}
         # Ids already completed or refused: late/duplicate frames for them must
@@ -124,9 +145,30 @@ class Reassembler:
         """Bytes of chunks held for incomplete messages."""
         return sum(p.size for p in self._partials.values())
 
+    @property
+    def reserved_bytes(self) -> int:
+        """Declared sizes of the incomplete messages (what the budget counts)."""
+        return self._reserved
+
+    def set_limits(self, max_total: int, max_buffered: int) -> None:
+        """New bounds (the run became known); messages already in progress are kept."""
+        if max_total < 1 or max_buffered < 1:
+            raise ValueError("max_total and max_buffered must be >= 1")
+        self.max_total = max_total
+        self.max_buffered = max_buffered
+
     def discard(self, msg_id: int) -> None:
         """Forget a partial message (e.g. its sender went away)."""
-        self._partials.pop(msg_id, None)
+        p = self._partials.pop(msg_id, None)
+        if p is not None:
+            self._reserved -= p.total
+
+    def _drop(self, msg_id: int) -> bool:
+        p = self._partials.pop(msg_id, None)
+        if p is None:
+            return False
+        self._reserved -= p.total
+        return True
 
     def _remember(self, msg_id: int) -> None:
         if not self._recent_cap:
@@ -138,14 +180,15 @@ class Reassembler:
 
     def _refuse(self, msg_id: int | None, why: str) -> WireError:
         if msg_id is not None:
-            had = self._partials.pop(msg_id, None) is not None
+            had = self._drop(msg_id)
             self._remember(msg_id)
             if had:
                 why += f" (partial message {msg_id} dropped)"
         return WireError(why)
 
-    def feed(self, frame: bytes) -> bytes | None:
-        """Add one frame; return the whole message when it completes, else None."""
+    def feed(self, frame: bytes) -> bytearray | None:
+        """Add one frame; return the whole message when it completes, else None (a
+        bytearray: the buffer it was assembled in, not copied again)."""
         if not isinstance(frame, (bytes, bytearray, memoryview)):
             raise WireError(f"frame must be bytes, got {type(frame).__name__}")
         frame = bytes(frame)
@@ -171,7 +214,7 @@ class Reassembler:
             )
         if index >= count:
             raise self._refuse(msg_id, f"message {msg_id}: index {index} >= count {count}")
-        chunk = frame[HEADER_SIZE:]
+        chunk = memoryview(frame)[HEADER_SIZE:]
         want = CHUNK if index < count - 1 else total - (count - 1) * CHUNK
         if len(chunk) != want:
             raise self._refuse(
@@ -185,8 +228,15 @@ class Reassembler:
                 raise self._refuse(
                     msg_id, f"message {msg_id}: too many messages in flight ({self.max_in_flight})"
                 )
+            if count > 1 and self._reserved + total > self.max_buffered:
+                self._remember(msg_id)  # its other frames are refused without a new error
+                raise BudgetExceeded(
+                    f"message {msg_id} of {total:,} bytes would hold "
+                    f"{self._reserved + total:,} bytes in reassembly, over the budget of "
+                    f"{self.max_buffered:,}")
             p = _Partial(count, total, digest)
             self._partials[msg_id] = p
+            self._reserved += total
         elif (p.count, p.total, p.checksum) != (count, total, digest):
             raise self._refuse(
                 msg_id,
@@ -194,15 +244,15 @@ class Reassembler:
                 f"(count/total/checksum {count}/{total}/{digest.hex()} vs "
                 f"{p.count}/{p.total}/{p.checksum.hex()})",
             )
-        if index in p.chunks:
+        if index in p.have:
             raise self._refuse(msg_id, f"message {msg_id}: duplicate frame {index}")
-        p.chunks[index] = chunk
+        p.have.add(index)
+        p.buf[index * CHUNK : index * CHUNK + len(chunk)] = chunk
         p.size += len(chunk)
-        if len(p.chunks) < p.count:
+        if len(p.have) < p.count:
             return None
-        del self._partials[msg_id]
+        self._drop(msg_id)
         self._remember(msg_id)
-        data = b"".join(p.chunks[i] for i in range(p.count))
-        if _checksum(data) != p.checksum:
+        if _checksum(p.buf) != p.checksum:
             raise WireError(f"message {msg_id}: checksum mismatch, message dropped")
-        return data
+        return p.buf

@@ -207,6 +207,8 @@ def test_round_fields_decoded() -> None:
                  {"mode": "m" * protocol.MAX_MODE_CHARS}):
         assert protocol.decode(json.dumps(STATUS | edge))
     assert protocol.decode(json.dumps(STATUS | {"comm_share": 1}))["comm_share"] == 1.0
+    for t in ("aiortc", "libwebrtc"):  # issue 17: which WebRTC implementation
+        assert protocol.decode(json.dumps(STATUS | {"transport": t}))["transport"] == t
 
 
 @pytest.mark.parametrize("extra", [
@@ -218,6 +220,7 @@ def test_round_fields_decoded() -> None:
     {"heldout_loss": -0.5}, {"heldout_loss": float("inf")},
     {"heldout_loss": protocol.MAX_LOSS * 2}, {"heldout_loss": None},
     {"heldout_step": -1}, {"heldout_step": 10 ** 400}, {"heldout_step": "32"},
+    {"transport": "auto"}, {"transport": "quic"}, {"transport": 1}, {"transport": "aiortc\n"},
 ])
 def test_round_fields_refused_when_bad(extra: dict) -> None:
     with pytest.raises(protocol.ProtocolError) as e:

@@ -103,3 +103,18 @@ async def test_heldout_loss_is_resent_with_its_step(tmp_path: Path) -> None:
     assert (later["heldout_loss"], later["heldout_step"]) == (
         evaluated["heldout_loss"], 64)
     report.close()
+
+
+async def test_reports_name_the_transport_once_resolved(tmp_path: Path) -> None:
+    state = _state(sync_every=1)
+    for transport, want in (("libwebrtc", "libwebrtc"), ("aiortc", "aiortc"), ("auto", None)):
+        report = _report(tmp_path)
+        report.opts.transport = transport
+        report.begin(state)
+        sink = Sink()
+        await _commit(report, state, 0, 1, sink)
+        await report.finish((0, "done"), state, "ef" * 32, sink)
+        assert [d.get("transport") for d in sink.decoded] == [want, want]
+        report.close()
+    assert json.loads((tmp_path / "m.jsonl").read_text().splitlines()[0])["transport"] == (
+        "libwebrtc")  # the metrics record too

@@ -38,6 +38,14 @@ S = ["--server", "http://127.0.0.1:9"]
         ([*S, "--join-timeout", "0"], "positive number"),
         ([*S, "--wait-peers", "3"], "needs --start"),
         ([*S, "--bogus"], "unrecognized"),
+        ([*S, "--transport", "quic"], "invalid choice"),
+        ([*S, "--stun", "turn:h:3478"], "--stun: expected a URL like stun:"),
+        ([*S, "--turn", "stun:h"], "--turn: expected a URL like turn:"),
+        ([*S, "--turn", "turn:h:3478"], "needs --turn-user and --turn-credential"),
+        ([*S, "--turn", "turn:h:3478", "--turn-user", "u"], "needs --turn-user"),
+        ([*S, "--turn-user", "u"], "need --turn"),
+        ([*S, "--relay"], "--relay needs --turn"),
+        ([*S, "--ice-host", "localhost"], "--ice-host must be an IP address"),
     ],
 )
 def test_bad_flags_one_line_exit_2(
@@ -49,6 +57,19 @@ def test_bad_flags_one_line_exit_2(
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and err.startswith("daisyweb-peer: error:")
     assert needle in err
+
+
+def test_transport_and_turn_flags(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv("DAISYWEB_TRANSPORT", raising=False)
+    monkeypatch.setenv("DAISYWEB_TURN_CREDENTIAL", "s3cret")
+    a = peer.parse_args([*S, "--turn", "turn:127.0.0.1:3478", "--turn-user", "u", "--relay"])
+    opts = options_from_args(a)
+    assert opts.transport == "auto"  # the default: libwebrtc when wrtc imports
+    assert (opts.turn, opts.turn_user, opts.turn_credential, opts.relay) == (
+        ["turn:127.0.0.1:3478"], "u", "s3cret", True)
+    monkeypatch.setenv("DAISYWEB_TRANSPORT", "aiortc")
+    assert peer.parse_args(S).transport == "aiortc"
+    assert peer.parse_args([*S, "--transport", "libwebrtc"]).transport == "libwebrtc"
 
 
 def test_good_flags() -> None:

@@ -3,35 +3,36 @@ import pytest
 from aiortc import RTCPeerConnection
 
 from daisyweb.net import ice
+from daisyweb.net import transport_aiortc as ice_aiortc
 
 
 @pytest.fixture
 def restricted():
-    ice.restrict_host_candidates(["127.0.0.1"])
+    ice_aiortc.restrict_host_candidates(["127.0.0.1"])
     yield
-    ice.unrestrict()
+    ice_aiortc.unrestrict()
 
 
 def test_restrict_idempotent_and_env(monkeypatch):
     try:
-        ice.restrict_host_candidates(["127.0.0.1"])
-        ice.restrict_host_candidates(["127.0.0.1"])
+        ice_aiortc.restrict_host_candidates(["127.0.0.1"])
+        ice_aiortc.restrict_host_candidates(["127.0.0.1"])
         assert aioice.ice.get_host_addresses(True, True) == ["127.0.0.1"]
         monkeypatch.setenv(ice.ENV_VAR, "127.0.0.1, ::1")
-        assert ice.restrict_host_candidates() == ["127.0.0.1", "::1"]
+        assert ice_aiortc.restrict_host_candidates() == ["127.0.0.1", "::1"]
         assert aioice.ice.get_host_addresses(True, False) == ["127.0.0.1"]
         monkeypatch.delenv(ice.ENV_VAR)
         with pytest.raises(ValueError):
-            ice.restrict_host_candidates()
+            ice_aiortc.restrict_host_candidates()
         with pytest.raises(ValueError):
-            ice.restrict_host_candidates(["not-an-ip"])
+            ice_aiortc.restrict_host_candidates(["not-an-ip"])
     finally:
-        ice.unrestrict()
-    assert aioice.ice.get_host_addresses is ice._original
+        ice_aiortc.unrestrict()
+    assert aioice.ice.get_host_addresses is ice_aiortc._original
 
 
 async def test_offer_has_only_loopback_candidates(restricted):
-    pc = RTCPeerConnection(ice.rtc_configuration())
+    pc = RTCPeerConnection(ice_aiortc.rtc_configuration())
     try:
         pc.createDataChannel("x")
         await pc.setLocalDescription(await pc.createOffer())
@@ -49,3 +50,42 @@ def test_the_suite_runs_with_ice_restricted_to_loopback() -> None:
     import os
 
     assert os.environ.get("DAISYWEB_ICE_HOSTS") == "127.0.0.1"
+
+
+SDP = "\r\n".join([
+    "v=0",
+    "a=candidate:1 1 udp 2122194687 127.0.0.1 48613 typ host generation 0",
+    "a=candidate:2 1 udp 2122267903 ::1 37377 typ host generation 0",
+    "a=candidate:3 1 udp 2122194687 192.0.2.7 40000 typ host generation 0",
+    "a=candidate:4 1 udp 2122194687 0a1b2c3d-aaaa.local 40001 typ host generation 0",
+    "a=candidate:5 1 udp 1686052607 198.51.100.9 5000 typ srflx raddr 192.0.2.7 rport 40000",
+    "a=candidate:6 1 udp 1686052607 198.51.100.9 5001 typ srflx raddr 127.0.0.1 rport 48613",
+    "a=candidate:7 1 udp 41885439 203.0.113.5 6000 typ relay raddr 198.51.100.9 rport 5000",
+    "a=candidate:8 1 tcp 1518214911 127.0.0.1 9 typ host tcptype active generation 0",
+    "a=end-of-candidates",
+    "",
+])
+
+
+def test_filter_candidates_keeps_only_ice_host_addresses_and_never_mdns() -> None:
+    kept = ice.filter_candidates(SDP, ("127.0.0.1",))
+    assert [f for f in ice.sdp_candidates(kept)] == [
+        ("127.0.0.1", "host"), ("198.51.100.9", "srflx"), ("203.0.113.5", "relay"),
+        ("127.0.0.1", "host")]
+    # the non-candidate lines and the line ending are untouched
+    assert kept.startswith("v=0\r\n") and kept.endswith("a=end-of-candidates\r\n")
+    # without --ice-host only mDNS names go
+    anyhost = ice.sdp_candidates(ice.filter_candidates(SDP, None))
+    assert len(anyhost) == 7 and not any(a.endswith(".local") for a, _ in anyhost)
+    assert ice.filter_candidates(SDP.replace("\r\n", "\n"), ("127.0.0.1",)) == kept.replace(
+        "\r\n", "\n")
+
+
+def test_ice_server_urls_are_checked() -> None:
+    assert ice.parse_server_url("turn:127.0.0.1:3478", turn=True)
+    assert ice.parse_server_url("turn:relay.example.org?transport=tcp", turn=True)
+    assert ice.parse_server_url("stun:stun.example.org:19302", turn=False)
+    for url, turn in (("stun:x:1", True), ("turn:x:1", False), ("turn:x:99999", True),
+                      ("http://x", True), ("stun:x?transport=udp", False), ("turn:", True)):
+        with pytest.raises(ValueError):
+            ice.parse_server_url(url, turn=turn)

@@ -1,5 +1,9 @@
 """Mesh tests: real signaling server on 127.0.0.1 (ephemeral port), real aiortc.
 
+``$DAISYWEB_TEST_MESH_TRANSPORTS`` (comma-separated, cycled over the meshes a test makes;
+default ``aiortc``) runs the same tests on libwebrtc or on a mix of both: only inside a
+loopback-only network namespace (``tests/daisyweb/net/test_libwebrtc.py`` does that).
+
 They go through the Mesh interface; where a test needs to reach behind it (a raw
 channel, the signaling client's state) it names the private attribute it uses.
 """
@@ -7,15 +11,17 @@ channel, the signaling client's state) it names the private attribute it uses.
 from __future__ import annotations
 
 import asyncio
+import itertools
 import os
 import time
+from pathlib import Path
 
 import aiohttp
 import pytest
 from aiohttp import web
 
+from daisyweb.net import ice, signaling_client
 from daisyweb.net import link as linkmod
-from daisyweb.net import signaling_client
 from daisyweb.net.mesh import (
     BadMessage,
     JoinDenied,
@@ -48,10 +54,13 @@ class Server:
         self.port = site._server.sockets[0].getsockname()[1]
         self.url = f"http://127.0.0.1:{self.port}"
         self.meshes: list[Mesh] = []
+        self.transports = itertools.cycle(
+            os.environ.get("DAISYWEB_TEST_MESH_TRANSPORTS", "aiortc").split(","))
         return self
 
     def mesh(self, **kw) -> Mesh:
         kw.setdefault("ice_hosts", ["127.0.0.1"])
+        kw.setdefault("transport", next(self.transports))
         for k, v in HB.items():
             kw.setdefault(k, v)
         m = Mesh(self.url, **kw)
@@ -102,7 +111,8 @@ async def connected_pair(srv: Server, **kw) -> tuple[Mesh, Mesh]:
 
 
 def candidates(m: Mesh, peer: str) -> list[str]:
-    sdp = m._links[peer].pc.localDescription.sdp
+    """The candidate lines of the description ``m`` signals to ``peer``."""
+    sdp = m._links[peer]._local_description()["sdp"]
     return [ln for ln in sdp.splitlines() if ln.startswith("a=candidate")]
 
 
@@ -134,6 +144,33 @@ async def test_two_peers_exchange_small_and_multi_mb(srv):
     await b.send(a.self_id, big)
     e = await until(a, received(b.self_id))
     assert e.message.payload == big.payload  # bit-exact after reassembly
+
+
+async def test_only_ice_host_candidates_are_ever_signaled(srv, monkeypatch):
+    # Every offer and answer that leaves a peer, whatever its transport gathered.
+    sent: list[tuple[str, str]] = []
+    real = signaling_client.SignalingClient.send_signal
+
+    async def record(self, to, kind, data):
+        sent.append((kind, data["sdp"]))
+        await real(self, to, kind, data)
+
+    monkeypatch.setattr(signaling_client.SignalingClient, "send_signal", record)
+    a, b = await connected_pair(srv)
+    await a.send(b.self_id, wire.Hello(peer_id=a.self_id))
+    await until(b, received(a.self_id))
+    assert sorted(kind for kind, _ in sent) == ["answer", "offer"]
+    for _, sdp in sent:
+        found = ice.sdp_candidates(sdp)
+        assert found and {addr for addr, _ in found} == {"127.0.0.1"}, found
+        assert ".local" not in sdp
+    for m, other in ((a, b), (b, a)):
+        raw = ice.sdp_candidates(m._links[other.self_id].pc.localDescription.sdp)
+        if m.transport.name == "libwebrtc" and Path("/proc/net/if_inet6").read_text():
+            # libwebrtc gathered ::1 too (a namespace's lo has it): the filter dropped it
+            assert "::1" in {addr for addr, _ in raw}, raw
+        elif m.transport.name == "aiortc":
+            assert {addr for addr, _ in raw} == {"127.0.0.1"}  # aioice gathers no other
 
 
 async def test_send_order_and_errors(srv):
@@ -296,6 +333,7 @@ async def test_oversize_message_refused_by_receiver(srv):
     b = srv.mesh(name="b", max_message_bytes=100_000)
     await a.start()
     await b.start()
+    await until(a, up(b.self_id))  # both ends open (libwebrtc's open one after the other)
     await until(b, up(a.self_id))
     await a.send(b.self_id, grad(a.self_id, 200_000))
     e = await until(b, lambda e: isinstance(e, (BadMessage, Received)))
@@ -453,3 +491,44 @@ async def test_unreachable_server():
     m = Mesh("http://127.0.0.1:9", ice_hosts=["127.0.0.1"], join_timeout=3)
     with pytest.raises(MeshError, match="cannot connect"):
         await m.start()
+
+
+async def test_reassembly_over_budget_loses_that_link_only(srv):
+    # b holds at most 300 kB of messages being reassembled; a starts two messages of
+    # 200 kB each (first frames only, as a hostile or broken peer would) and is dropped,
+    # while b's link to c carries on.
+    a = srv.mesh(name="a")
+    b = srv.mesh(name="b", max_reassembly_bytes=300_000)
+    c = srv.mesh(name="c")
+    for m in (a, b, c):
+        await m.start()
+    for m, others in ((a, (b,)), (b, (a, c)), (c, (b,))):
+        for o in others:
+            await until(m, up(o.self_id), timeout=8)
+    ch = a._links[b.self_id].channel
+    first = [framing.frame(wire.encode(grad(a.self_id, 200_000, step=i)), 500 + i)[0]
+             for i in range(2)]
+    for f in first:
+        ch.send(f)
+    seen: list = []
+    e = await until(b, lambda e: isinstance(e, PeerDown), seen=seen)
+    assert e.peer == a.self_id and e.reason.startswith("reassembly budget exceeded: ")
+    assert "over the budget of 300,000" in e.reason
+    assert not any(isinstance(x, BadMessage) for x in seen)  # one drop, no error stream
+    g = grad(c.self_id, 250_000)  # under the budget: still fine on the other link
+    await c.send(b.self_id, g)
+    assert (await until(b, received(c.self_id))).message == g
+    assert c.self_id in b.connected() and a.self_id not in b.connected()
+
+
+async def test_limit_messages_bounds_every_link(srv):
+    a, b = await connected_pair(srv)
+    b.limit_messages(100_000, 250_000)
+    link = b._links[a.self_id]
+    assert (link._max_message_bytes, link._reassembler.max_total,
+            link._reassembler.max_buffered) == (100_000, 100_000, 250_000)
+    await a.send(b.self_id, grad(a.self_id, 150_000))  # over the run's largest message
+    e = await until(b, lambda e: isinstance(e, (BadMessage, Received)))
+    assert isinstance(e, BadMessage) and "over limit 100000" in e.error
+    b.limit_messages(10**12, 250_000)  # never above the mesh's own cap
+    assert b._max_message_bytes == 100_000

@@ -10,6 +10,7 @@ peer's per-step weight hash.
 from __future__ import annotations
 
 import asyncio
+import itertools
 import json
 import os
 import signal
@@ -28,7 +29,7 @@ from daisyweb.checkpoints.checkpoint import Checkpoint, load_checkpoint
 from daisyweb.model import init_params
 from daisyweb.net import MeshError, PeerDown, PeerUp, Received
 from daisyweb.peer import PeerError, PeerOptions, TestHooks, report, run_peer
-from daisyweb.protocol import framing, wire
+from daisyweb.protocol import budget, framing, wire
 from daisyweb.training.config import RunConfig
 from daisyweb.training.replay import replay_hashes, replay_rounds
 
@@ -108,12 +109,21 @@ class Peer:
             raise AssertionError(f"{self.name} hung:\n{self.log.read_text()}") from None
 
 
+def _transports() -> Iterator[str | None]:
+    """``$DAISYWEB_TEST_PEER_TRANSPORTS`` (comma-separated), cycled over the peers a group
+    spawns in order (the leader first); unset: no flag, so the suite's aiortc. Set only
+    inside a loopback-only network namespace (``tests/daisyweb/net/test_libwebrtc.py``)."""
+    names = os.environ.get("DAISYWEB_TEST_PEER_TRANSPORTS")
+    return itertools.cycle(names.split(",")) if names else itertools.repeat(None)
+
+
 @dataclass
 class Group:
     server: str
     tmp: Path
     room: str
     peers: list[Peer] = field(default_factory=list)
+    transports: Iterator[str | None] = field(default_factory=_transports)
 
     @property
     def grads(self) -> Path:
@@ -128,6 +138,9 @@ class Group:
                "--room", self.room, "--name", name, "--ice-host", "127.0.0.1",
                "--approve", "auto", "--metrics", str(metrics), "--join-timeout", "60",
                *args]
+        transport = next(self.transports)
+        if transport is not None:
+            cmd += ["--transport", transport]
         full_env = dict(os.environ, PYTHONUNBUFFERED="1",
                         DAISYWEB_TEST_DUMP_GRADS=str(self.grads), **(env or {}))
         with open(log, "w") as out:
@@ -249,6 +262,9 @@ class FakeMesh:
     async def report_status(self, **fields: object) -> None:
         self.status.append(fields)
 
+    def limit_messages(self, max_message_bytes: int, max_reassembly_bytes: int) -> None:
+        self.limits = (max_message_bytes, max_reassembly_bytes)
+
     async def close(self) -> None:
         if self.closed:
             return
@@ -317,6 +333,10 @@ def test_in_process_group_matches_replay(tmp_path: Path, server: str) -> None:
     want = replay_hashes(init_params(tiny_run().model, 3), tiny_run().adam(), spec)
     assert list(hashes.pop()) == want
     assert all(rs[-1]["end"] == "done" for rs in recs)
+    # every peer bounded its links by this run's largest message once it knew the run
+    size = init_params(tiny_run().model, 3).size
+    assert {m.limits for m in hub.all} == {(budget.largest_message(size),
+                                            budget.link_budget(size))}
 
 
 def test_in_process_eval_every_records_the_heldout_loss_of_the_shared_weights(
@@ -525,8 +545,10 @@ async def _join_against_host(server: str, room: str, *args: str) -> tuple[int, s
 def test_not_admitted_within_join_timeout_exits_non_zero(server: str) -> None:
     code, err = asyncio.run(_join_against_host(server, "waitroom1", "--join-timeout", "1.5"))
     assert code == 3
+    # The first line says the transport (issue 17); then one line says why, and no more.
     lines = [ln for ln in err.splitlines() if ln.strip()]
-    assert lines == [lines[-1]] and "not admitted" in lines[-1] and "Traceback" not in err
+    assert lines[0].startswith("daisyweb-peer: transport: ")
+    assert lines[1:] == [lines[-1]] and "not admitted" in lines[-1] and "Traceback" not in err
 
 
 def _decide_on_dashboard(link: str, approve: bool, timeout: float = 30) -> None:
@@ -567,7 +589,8 @@ def test_approve_ask_without_a_terminal_waits_for_the_dashboard(
         while "dashboard with Accept/Deny" not in host.log.read_text():
             assert time.monotonic() < deadline and host.proc.poll() is None
             time.sleep(0.05)
-        link = host.log.read_text().split("(keep it private): ")[1].split()[0]
+        # The host link (with the key), not the member link it may print first.
+        link = host.log.read_text().split("Accept/Deny (keep it private): ")[1].split()[0]
         cmd = [sys.executable, "-m", "daisyweb.cli.peer", "--server", server, "--room",
                room, "--ice-host", "127.0.0.1", "--join-timeout", "40"]
         joiner = subprocess.Popen(cmd, cwd=ROOT, stdin=subprocess.DEVNULL,
@@ -783,6 +806,10 @@ def test_rounds_three_peers_identical_at_every_boundary_equal_to_replay(group: G
         assert [(r["round"], r["step"]) for r in p.steps()] == [(1, 2), (2, 4), (3, 6), (4, 7)]
         assert all(r["mode"] == "rounds H=2 int8" for r in p.steps())
         assert p.end()["end"] == "done"
+        # --overlap defaults to 1 step here: every round after the first (and but the
+        # last, which has one step) began while the previous exchange was in flight.
+        assert [r["head_steps"] for r in p.steps()] == [0, 1, 1, 0]
+        assert all(r["comm_s"] <= r["exchange_s"] for r in p.steps())
     hashes = same_hashes(lead, a, b)
     assert hashes == replay_rounds(init_params(tiny_run().model, 3),
                                    [(r["roster"], {q: np.load(group.grads / f"{q}-{i}.npy")

@@ -9,6 +9,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from daisyweb.protocol import framing, wire
 from daisyweb.protocol.framing import (
     CHUNK,
     HEADER_SIZE,
@@ -264,3 +265,31 @@ def test_fuzz_reassembler(ops: list) -> None:
         assert r.in_flight <= _MAX_IN_FLIGHT
         assert r.buffered_bytes <= _MAX_IN_FLIGHT * _MAX_TOTAL
         assert len(r._recent) <= 16
+
+
+def test_reassembly_budget_reserves_declared_sizes_and_frees_them() -> None:
+    from daisyweb.protocol import budget
+
+    size = 3 * framing.CHUNK  # three frames each
+    r = framing.Reassembler(max_total=size, max_buffered=2 * size)
+    a, b, c = (framing.frame(bytes([i]) * size, i) for i in (1, 2, 3))
+    assert r.feed(a[0]) is None and r.feed(b[0]) is None
+    assert r.reserved_bytes == 2 * size  # declared, before their bytes arrive
+    assert r.feed(framing.frame(b"one frame", 9)[0]) == b"one frame"  # never reserved
+    with pytest.raises(framing.BudgetExceeded, match="over the budget of"):
+        r.feed(c[0])
+    with pytest.raises(wire.WireError):  # the rest of the refused message: no new state
+        r.feed(c[1])
+    assert r.in_flight == 2
+    assert r.feed(a[1]) is None and r.feed(a[2]) == bytes([1]) * size
+    assert r.reserved_bytes == size  # a completed message frees its reservation
+    c2 = framing.frame(bytes([4]) * size, 4)
+    assert [r.feed(f) for f in c2][-1] == bytes([4]) * size
+    r.set_limits(size, size)  # lowered below what is held: the held message completes
+    assert [r.feed(f) for f in b[1:]][-1] == bytes([2]) * size
+    assert r.reserved_bytes == 0
+    # A run's budget: two of its largest messages (a snapshot, 12 bytes per parameter)
+    assert budget.largest_message(1_325_824) > 12 * 1_325_824 + 18_000
+    assert budget.link_budget(1_325_824) == 2 * budget.largest_message(1_325_824)
+    with pytest.raises(ValueError):
+        budget.largest_message(0)

@@ -1,0 +1,99 @@
+"""The aiortc transport: aiortc's peer connections, aioice limited to named addresses.
+
+aioice gathers host candidates by calling the module-level function
+``aioice.ice.get_host_addresses(use_ipv4, use_ipv6)`` from
+``Connection.gather_candidates`` (it enumerates every adapter and drops
+127.0.0.1 / ::1). :func:`restrict_host_candidates` replaces that one function,
+process-wide, with one returning exactly the named addresses (loopback allowed).
+It is idempotent: calling it again only changes the list. :func:`unrestrict`
+puts the original back.
+
+:func:`rtc_configuration` builds an ``RTCConfiguration`` with an explicit (by
+default empty) ``iceServers`` list, so aiortc never falls back to its default
+public STUN server.
+"""
+
+from __future__ import annotations
+
+import ipaddress
+from collections.abc import Iterable
+from typing import Any
+
+import aioice.ice
+from aiortc import (
+    RTCConfiguration,
+    RTCIceServer,
+    RTCIceTransportPolicy,
+    RTCPeerConnection,
+    RTCSessionDescription,
+)
+
+from daisyweb.net.ice import ENV_VAR, IceServer, IceSettings, hosts_from_env
+
+__all__ = ["TRANSPORT", "restrict_host_candidates", "unrestrict", "rtc_configuration"]
+
+_original = aioice.ice.get_host_addresses
+_allowed: list[str] | None = None
+
+
+def _restricted_get_host_addresses(use_ipv4: bool, use_ipv6: bool) -> list[str]:
+    allowed = _allowed or []
+    out = []
+    for a in allowed:
+        v = ipaddress.ip_address(a).version
+        if (v == 4 and use_ipv4) or (v == 6 and use_ipv6):
+            out.append(a)
+    return out
+
+
+def restrict_host_candidates(addresses: Iterable[str] | None = None) -> list[str]:
+    """Limit ICE host candidates to ``addresses`` (or ``$DAISYWEB_ICE_HOSTS``).
+
+    Raises ValueError on an invalid address or when no list is given either way.
+    Returns the installed list.
+    """
+    global _allowed
+    addrs = list(addresses) if addresses is not None else hosts_from_env()
+    if not addrs:
+        raise ValueError(f"no ICE host addresses given (argument or ${ENV_VAR})")
+    norm = [str(ipaddress.ip_address(a)) for a in addrs]
+    _allowed = norm
+    aioice.ice.get_host_addresses = _restricted_get_host_addresses
+    return list(norm)
+
+
+def unrestrict() -> None:
+    """Restore aioice's own host address discovery."""
+    global _allowed
+    _allowed = None
+    aioice.ice.get_host_addresses = _original
+
+
+def _server(s: IceServer) -> RTCIceServer:
+    return RTCIceServer(s.url, username=s.username, credential=s.credential)
+
+
+def rtc_configuration(ice_servers: Iterable[str | IceServer] = (), *,
+                      relay_only: bool = False) -> RTCConfiguration:
+    """RTCConfiguration with explicit ICE servers (default none: no STUN traffic)."""
+    servers = [_server(s if isinstance(s, IceServer) else IceServer(s)) for s in ice_servers]
+    policy = RTCIceTransportPolicy.RELAY if relay_only else RTCIceTransportPolicy.ALL
+    return RTCConfiguration(iceServers=servers, iceTransportPolicy=policy)
+
+
+class AiortcTransport:
+    name = "aiortc"
+
+    def prepare(self, settings: IceSettings) -> None:
+        if settings.hosts:
+            restrict_host_candidates(settings.hosts)
+
+    def peer_connection(self, settings: IceSettings) -> Any:
+        return RTCPeerConnection(rtc_configuration(settings.servers,
+                                                   relay_only=settings.relay_only))
+
+    def description(self, sdp: str, kind: str) -> Any:
+        return RTCSessionDescription(sdp=sdp, type=kind)
+
+
+TRANSPORT = AiortcTransport()
