@@ -24,6 +24,7 @@ from daisyweb.checkpoints.checkpoint import (
     load_checkpoint,
 )
 from daisyweb.cli import demo, export
+from daisyweb.cli import generate as generate_cli
 from daisyweb.cli.generate import sample_tokens
 from daisyweb.data import default_tokenizer
 from signaling.server import create_app
@@ -71,7 +72,7 @@ async def generate(page: Page, prefix: str, prompt: str, n: int, temperature: fl
 
 # ---------------------------------------------------------------------------- the kit
 async def test_kit_offline_reproduces_generate_greedy(trained: Path, tmp_path: Path,
-                                                      chromium) -> None:
+                                                      chromium, capsys) -> None:
     kit = tmp_path / "kit.html"
     assert export.main([str(trained), "-o", str(kit)]) == 0
     html = kit.read_text()
@@ -96,6 +97,11 @@ async def test_kit_offline_reproduces_generate_greedy(trained: Path, tmp_path: P
                 ids, text = await generate(page, "", prompt, NEW_TOKENS)
                 assert ids == python_greedy(trained, prompt), prompt
                 assert text == prompt + tok.decode(ids)
+                # and the command itself prints the same text
+                capsys.readouterr()
+                assert generate_cli.main([str(trained), "--prompt", prompt, "--tokens",
+                                          str(NEW_TOKENS), "--temperature", "0"]) == 0
+                assert capsys.readouterr().out == text + "\n"
             # temperature sampling: seeded, so the same seed repeats itself
             a, _ = await generate(page, "", "And", 12, temperature=1.0, seed=7)
             b, _ = await generate(page, "", "And", 12, temperature=1.0, seed=7)
