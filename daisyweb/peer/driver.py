@@ -21,7 +21,7 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 
 from daisyweb.checkpoints.checkpoint import TokenizerInfo, checkpoint_to_bytes
-from daisyweb.data import Tokenizer
+from daisyweb.data import Tokenizer, builtin_tokens
 from daisyweb.net import (
     BadMessage,
     JoinDenied,
@@ -96,6 +96,7 @@ class Driver:
         self.hello_from: set[str] = set()
         self.tasks: list[asyncio.Task[None]] = []
         self.head: PendingHead | None = None  # at most one, and never beside a compute
+        self.corpus: asyncio.Future[object]  # the built-in corpus being encoded (main)
         self.result: tuple[int, str] | None = None
 
     # ------------------------------------------------------------------ setup
@@ -118,6 +119,10 @@ class Driver:
         return link
 
     async def main(self) -> int:
+        # The built-in corpus is encoded (a second or more; cached) in a worker thread
+        # while the peer joins: on the event loop it would stall the links' heartbeats
+        # just after a follower takes its snapshot.
+        self.corpus = asyncio.get_running_loop().run_in_executor(None, builtin_tokens)
         self.mesh = self._make_mesh()
         self.outboxes = Outboxes(self.mesh.send, log)
         drop = self.faults.drop_outgoing()
@@ -205,7 +210,7 @@ class Driver:
         assert self.state is not None
         run = self.state.run
         self._make_replica(self.state)
-        self._make_feed()
+        await self._make_feed()
         ups, held = await handshake.wait_for_peers(
             self.queue, self._peer_connected, self.hello_from, self.opts.wait_peers,
             self.opts.join_timeout)
@@ -236,7 +241,7 @@ class Driver:
             self._make_replica(state)
         except ValueError as exc:
             raise PeerError(1, f"refused the snapshot from {start.leader}: {exc}") from None
-        self._make_feed()
+        await self._make_feed()
         machine = self._machine(start.leader)
         log(f"following {start.leader}: {state.size:,} parameters, from step {state.step} "
             f"of {start.run.steps} (snapshot {start.weight_hash[:16]} verified)")
@@ -252,8 +257,9 @@ class Driver:
         self.replica = Replica(self.trainer, self.faults)
         self.encoder = RecordingEncoder(state.run.codec, state.size)
 
-    def _make_feed(self) -> None:
+    async def _make_feed(self) -> None:
         assert self.state is not None
+        await self.corpus  # DataFeed's builtin_tokens() is then the cached array
         self.feed = DataFeed(self.tok, self.state.run, self.mesh.self_id, self.opts.server)
         self.tasks.extend(self.feed.start())
 
