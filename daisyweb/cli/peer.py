@@ -7,7 +7,9 @@
         [--turn URL --turn-user NAME --turn-credential SECRET [--relay]]
         [--transport auto|aiortc|libwebrtc] [--wait-peers N]
 
-``--start`` makes this peer the leader; its model flags are the run's config. Without
+``--start`` makes this peer the leader; its model flags are the run's config. With
+``--resume`` the checkpoint is the config: a model flag that contradicts it is refused,
+and ``--steps`` sets the step budget (a finished run trains on). Without
 ``--start`` the model flags are refused (the leader's config wins). ``--wait-peers N``
 (leader only, default 1) waits for N peers in all before step 0; later peers join at a
 step boundary. ``--transport auto`` (the default) uses libwebrtc when the ``wrtc`` package

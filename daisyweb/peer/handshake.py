@@ -19,6 +19,7 @@ sends one first.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import time
 from collections import Counter, deque
 from collections.abc import Callable, Mapping, Sequence
@@ -35,10 +36,10 @@ from daisyweb.data import Tokenizer, default_tokenizer
 from daisyweb.net import PeerDown, PeerUp, Received
 from daisyweb.peer.exchange import make_trainer
 from daisyweb.peer.items import Item, MeshItem
-from daisyweb.peer.options import PeerError, PeerOptions, log
+from daisyweb.peer.options import PeerError, PeerOptions
 from daisyweb.protocol import wire
 from daisyweb.training.config import RunConfig, run_config
-from daisyweb.training.rounds import round_count
+from daisyweb.training.rounds import rounds_before
 from daisyweb.training.state import TrainState
 
 __all__ = ["BUFFER_BEFORE_START", "FollowerStart", "agreed_leader", "await_snapshot",
@@ -52,35 +53,16 @@ def tokenizer_info() -> tuple[Tokenizer, TokenizerInfo]:
     return tok, TokenizerInfo(tok.vocab_size, tok.file_hash)
 
 
+# What a --resume takes from the checkpoint; a flag that contradicts it is refused.
+# The step budget (--steps) and the saving flags stay the user's.
+_FROM_CHECKPOINT = ("width", "layers", "heads", "seq", "batch", "lr", "seed", "sync_every",
+                    "codec", "outer_lr", "overlap")
+
+
 def leader_state(opts: PeerOptions, tokinfo: TokenizerInfo) -> TrainState:
     """The leader's starting TrainState: fresh from flags or resumed from --resume."""
     if opts.resume:
-        if not Path(opts.resume).is_file():
-            raise PeerError(2, f"--resume: no such file {opts.resume}")
-        try:
-            ckpt = load_checkpoint(opts.resume, expect_tokenizer=tokinfo)
-            run = RunConfig.from_checkpoint(ckpt)
-            state = TrainState.from_checkpoint(ckpt, run)
-        except (CheckpointError, ValueError, OSError) as exc:
-            raise PeerError(2, f"--resume {opts.resume}: {exc}") from None
-        given: dict[str, object] = dict(opts.model or {})
-        for k in ("batch", "steps", "lr", "seed", "sync_every", "codec", "outer_lr",
-                  "overlap"):
-            if getattr(opts, k) is not None:
-                given[k] = getattr(opts, k)
-        have = {**ckpt.model.to_dict(), **run.to_dict()}
-        conflicts = [f"--{k} {v} (file: {have[k]})" for k, v in given.items()
-                     if k in have and have[k] != v]
-        if conflicts:
-            log("the checkpoint's config wins over " + ", ".join(conflicts))
-        if state.step >= run.steps:
-            raise PeerError(2, f"--resume {opts.resume}: already at step {state.step} "
-                               f"of {run.steps}")
-        try:
-            make_trainer(state)
-        except ValueError as exc:
-            raise PeerError(2, f"--resume {opts.resume}: {exc}") from None
-        return state
+        return _resumed_state(opts, tokinfo)
     m = opts.model or {}
     try:
         run = run_config(tokinfo.vocab_size, **m, batch=opts.batch, steps=opts.steps,
@@ -91,6 +73,45 @@ def leader_state(opts: PeerOptions, tokinfo: TokenizerInfo) -> TrainState:
         reason = str(exc).removeprefix("bad run config: ")
         raise PeerError(2, f"bad run config: {reason}") from None
     return TrainState.fresh(run)
+
+
+def _resumed_state(opts: PeerOptions, tokinfo: TokenizerInfo) -> TrainState:
+    """The checkpoint decides the model, tokenizer, optimizer state and seed; ``--steps``
+    sets the budget, so a finished run trains on (``rounds.round_length``)."""
+    assert opts.resume is not None
+    where = f"--resume {opts.resume}"
+    if not Path(opts.resume).is_file():
+        raise PeerError(2, f"--resume: no such file {opts.resume}")
+    try:
+        ckpt = load_checkpoint(opts.resume, expect_tokenizer=tokinfo)
+        run = RunConfig.from_checkpoint(ckpt)
+    except (CheckpointError, ValueError, OSError) as exc:
+        raise PeerError(2, f"{where}: {exc}") from None
+    given: dict[str, object] = dict(opts.model or {})
+    for k in _FROM_CHECKPOINT:
+        if k not in given and getattr(opts, k, None) is not None:
+            given[k] = getattr(opts, k)
+    have = {**ckpt.model.to_dict(), **run.to_dict()}
+    conflicts = [f"--{k.replace('_', '-')} {v} (the file has {have[k]})"
+                 for k, v in given.items() if k in _FROM_CHECKPOINT and have.get(k) != v]
+    if conflicts:
+        raise PeerError(2, f"{where}: the checkpoint decides the model, optimizer and "
+                           f"seed, and contradicts " + ", ".join(conflicts))
+    step = ckpt.step
+    if opts.steps is not None:
+        if opts.steps <= step:
+            raise PeerError(2, f"{where}: --steps {opts.steps} is not beyond the "
+                               f"checkpoint's step {step}")
+        run = dataclasses.replace(run, steps=opts.steps)
+    elif step >= run.steps:
+        raise PeerError(2, f"{where}: already at step {step} of {run.steps} "
+                           f"(--steps N above {step} trains on)")
+    try:
+        state = TrainState.from_checkpoint(ckpt, run)
+        make_trainer(state)
+    except ValueError as exc:
+        raise PeerError(2, f"{where}: {exc}") from None
+    return state
 
 
 async def wait_for_peers(queue: asyncio.Queue[Item], on_up: Callable[[str], None],
@@ -251,7 +272,8 @@ def _checked_start(leader: str, config: wire.Config, snapshot: wire.Snapshot,
         state = TrainState.from_checkpoint(ckpt, run)
     except (CheckpointError, ValueError, wire.WireError) as exc:
         raise PeerError(1, f"refused the snapshot from {leader}: {exc}") from None
-    boundary = state.step if run.sync_every == 1 else round_count(state.step, run.sync_every)
+    boundary = (state.step if run.sync_every == 1
+                else rounds_before(state.step, run.steps, run.sync_every))
     if boundary != snapshot.step or state.weight_hash() != snapshot.weight_hash:
         raise PeerError(1, f"refused the snapshot from {leader}: its weight hash or "
                            "step does not match what it announced")

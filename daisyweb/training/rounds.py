@@ -60,6 +60,7 @@ __all__ = [
     "RoundTrainer",
     "round_count",
     "round_length",
+    "rounds_before",
     "outer_step",
     "shared_hash",
 ]
@@ -108,9 +109,30 @@ def round_count(total_steps: int, sync_every: int) -> int:
     return -(-total_steps // sync_every)
 
 
-def round_length(round_index: int, total_steps: int, sync_every: int) -> int:
-    """Inner steps in round ``round_index``."""
-    return max(0, min(sync_every, total_steps - round_index * sync_every))
+def round_length(round_index: int, total_steps: int, sync_every: int,
+                 start_step: int = 0) -> int:
+    """Inner steps in round ``round_index`` of a run that (re)started at ``start_step``.
+
+    Rounds follow the grid of H-step windows: round r covers the inner steps
+    ``[max(r H, start_step), min((r + 1) H, total_steps))``. A run started at a window
+    boundary (every fresh run, every joiner) has rounds of H with a short last one; a
+    run continued from a finished checkpoint whose last round was short (``--resume
+    --steps``) first completes that window, then follows the grid again.
+    """
+    first = max(round_index * sync_every, start_step)
+    return max(0, min((round_index + 1) * sync_every, total_steps) - first)
+
+
+def rounds_before(step: int, total_steps: int, sync_every: int) -> int:
+    """Rounds committed when a run of ``total_steps`` stands at inner step ``step``.
+
+    Every window completed so far counts; at the run's end its short last round counts
+    too. A finished run continued to a larger ``total_steps`` thus stands inside its last
+    window again, which its next round completes (:func:`round_length`).
+    """
+    if step >= total_steps:
+        return round_count(step, sync_every)
+    return step // sync_every
 
 
 def outer_step(anchor: np.ndarray, mean_delta: np.ndarray, outer_lr: float) -> np.ndarray:
@@ -189,14 +211,14 @@ class RoundTrainer:
         if sync_every < 2:
             raise ValueError(f"rounds need sync_every >= 2, got {sync_every}")
         total = state.run.steps
-        if state.step % sync_every and state.step != total:
-            raise ValueError(f"step {state.step} is not a round boundary of "
-                             f"--sync-every {sync_every}")
         self.state = state
         self.sync_every = sync_every
         self.outer_lr = float(outer_lr)
         self.total_steps = total
-        self.rounds_done = round_count(state.step, sync_every)
+        # Where this replica's rounds start (round_length): every later boundary is on
+        # the H grid, so a joiner starting at one lays out the same rounds.
+        self.start_step = state.step
+        self.rounds_done = rounds_before(state.step, total, sync_every)
         self._staged: dict[int, dict[str, Any]] = {}
 
     @property
@@ -212,7 +234,7 @@ class RoundTrainer:
         return self.state.step
 
     def steps_in(self, index: int) -> int:
-        return round_length(index, self.total_steps, self.sync_every)
+        return round_length(index, self.total_steps, self.sync_every, self.start_step)
 
     def contribute(self, index: int, batch: BatchFn,
                    head: HeadStart | None = None) -> Contribution:
@@ -260,7 +282,7 @@ class RoundTrainer:
                      steps: range, batch: BatchFn) -> float:
         """Inner steps ``steps`` of round ``index`` on ``local`` in place; the loss sum."""
         state = self.state
-        first = index * self.sync_every
+        first = max(index * self.sync_every, self.start_step)  # see round_length
         total = 0.0
         for j in steps:
             loss, grad = loss_and_grad(state.run.model, local, batch(first + j))

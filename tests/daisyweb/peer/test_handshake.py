@@ -95,3 +95,66 @@ async def test_the_leader_alone_with_a_joiner_is_followed_and_a_dead_claim_is_fo
 
     start = await join()
     assert start.leader == "L" and start.weight_hash == h
+
+
+# ------------------------------------------------------------- --resume --steps
+def _finished_checkpoint(tmp_path, steps: int = 3):
+    """A finished 3-step lockstep run's checkpoint (trained alone, for speed)."""
+    import numpy as np
+
+    from daisyweb.checkpoints.checkpoint import save_checkpoint
+    from daisyweb.protocol.averaging import average_in_roster_order
+
+    model = ModelConfig(vocab=TOKINFO.vocab_size, width=16, layers=1, heads=2, seq=16)
+    run = RunConfig(model=model, batch=2, steps=steps, lr=0.01, seed=3, sync_every=1,
+                    codec="f32")
+    state = TrainState.fresh(run)
+    rng = np.random.default_rng(0)
+    for _ in range(steps):
+        batch = rng.integers(0, TOKINFO.vocab_size, (2, 17))
+        state.apply(average_in_roster_order([state.gradient(batch)[1]]))
+    path = tmp_path / "done.pt"
+    save_checkpoint(path, state.checkpoint(TOKINFO))
+    return path, state
+
+
+def _resume(path, **kw):
+    from daisyweb.peer.handshake import leader_state
+    from daisyweb.peer.options import PeerOptions
+
+    return leader_state(PeerOptions(server="http://127.0.0.1:9", start=True,
+                                    resume=str(path), **kw), TOKINFO)
+
+
+def test_resume_with_a_larger_steps_trains_on_from_the_checkpoint(tmp_path) -> None:
+    path, done = _finished_checkpoint(tmp_path)
+    state = _resume(path, steps=7, save=str(tmp_path / "more.pt"))
+    assert state.step == 3 and state.run.steps == 7
+    assert state.weight_hash() == done.weight_hash()  # weights and optimizer state as saved
+    assert state.run == RunConfig(**{**done.run.__dict__, "steps": 7})
+    # flags equal to the file's are fine: only contradictions are refused
+    again = _resume(path, steps=7, model={"width": 16, "seq": 16}, lr=0.01, seed=3,
+                    codec="f32", sync_every=1)
+    assert again.weight_hash() == done.weight_hash()
+
+
+@pytest.mark.parametrize(("kw", "says"), [
+    ({}, "already at step 3 of 3 (--steps N above 3 trains on)"),
+    ({"steps": 3}, "--steps 3 is not beyond the checkpoint's step 3"),
+    ({"steps": 2}, "--steps 2 is not beyond the checkpoint's step 3"),
+    ({"steps": 9, "model": {"width": 32}}, "contradicts --width 32 (the file has 16)"),
+    ({"steps": 9, "model": {"layers": 2, "seq": 8}},
+     "contradicts --layers 2 (the file has 1), --seq 8 (the file has 16)"),
+    ({"steps": 9, "seed": 4}, "--seed 4 (the file has 3)"),
+    ({"steps": 9, "lr": 0.02}, "--lr 0.02 (the file has 0.01)"),
+    ({"steps": 9, "batch": 4}, "--batch 4 (the file has 2)"),
+    ({"steps": 9, "sync_every": 2}, "--sync-every 2 (the file has 1)"),
+    ({"steps": 9, "codec": "int8"}, "--codec int8 (the file has f32)"),
+])
+def test_resume_refuses_what_contradicts_the_checkpoint(tmp_path, kw, says) -> None:
+    path, _ = _finished_checkpoint(tmp_path)
+    with pytest.raises(PeerError) as exc:
+        _resume(path, **kw)
+    assert exc.value.code == 2 and says in str(exc.value)
+    assert str(exc.value).startswith(f"--resume {path}: ")
+    assert "\n" not in str(exc.value)

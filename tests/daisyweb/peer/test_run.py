@@ -440,16 +440,15 @@ def test_bad_gradient_halts_with_a_valid_checkpoint(group: Group, kind: str) -> 
         g2 = Group(group.server, group.tmp, group.room + "r")
         try:
             lead2 = g2.spawn("lead2", "--start", "--resume", str(group.tmp / "lead.pt"),
-                             "--wait-peers", "2", "--steps", "99")
+                             "--wait-peers", "2", "--steps", "8")
             b2 = g2.spawn("b2")
             assert [lead2.wait(), b2.wait()] == [0, 0], g2.logs()
         finally:
             g2.kill_all()
-        assert "checkpoint's config wins" in lead2.log.read_text()  # --steps 99 ignored
         assert "from step 2" in b2.log.read_text()
         assert start.weight_hash[:16] in b2.log.read_text()
-        for p in (lead2, b2):
-            assert [r["step"] for r in p.steps()] == [3, 4, 5, 6]
+        for p in (lead2, b2):  # --steps is the user's: the run's 6 steps become 8
+            assert [r["step"] for r in p.steps()] == [3, 4, 5, 6, 7, 8]
         assert same_hashes(lead2, b2) == oracle(g2, lead2, start)
 
 
@@ -908,3 +907,34 @@ def test_rounds_resume_from_a_boundary_checkpoint(group: Group) -> None:
         g2.kill_all()
     assert [r["step"] for r in lead2.steps()] == list(range(start.step + 2, 9, 2))
     assert same_hashes(lead2, b2) == round_oracle(g2, lead2, start)
+
+
+def test_rounds_finished_run_trains_on_to_a_larger_steps(group: Group) -> None:
+    # Rounds of 2 over 5 steps end with a short round (steps 4..5); resumed with
+    # --steps 9 the group first completes that window (5..6), then 6..8 and 8..9.
+    ck, more = group.tmp / "done.pt", group.tmp / "more.pt"
+    lead = group.leader(*ROUNDS, "--steps", "5", "--wait-peers", "2", "--save", str(ck))
+    a = group.spawn("a")
+    assert [lead.wait(), a.wait()] == [0, 0], group.logs()
+    start = load_checkpoint(ck)
+    assert start.step == 5 and start.run["steps"] == 5
+    g2 = Group(group.server, group.tmp, group.room + "r")
+    try:
+        # the run's own flags may be repeated; only --steps and the saving flags change
+        lead2 = g2.spawn("lead2", "--start", "--resume", str(ck), *ROUNDS, "--steps", "9",
+                         "--wait-peers", "2", "--save", str(more))
+        b2 = g2.spawn("b2")
+        assert [lead2.wait(), b2.wait()] == [0, 0], g2.logs()
+    finally:
+        g2.kill_all()
+    for p in (lead2, b2):
+        assert [(r["round"], r["step"]) for r in p.steps()] == [(3, 6), (4, 8), (5, 9)]
+        assert all(len(r["roster"]) == 2 for r in p.steps())
+    spec = [(r["roster"], {q: np.load(g2.grads / f"{q}-{r['round'] - 1}.npy")
+                           for q in r["roster"]}) for r in lead2.steps()]
+    hashes = same_hashes(lead2, b2)
+    assert hashes == replay_rounds(start.params, spec, sync_every=2, total_steps=9,
+                                   first_round=2)
+    assert {p.end()["weight_hash"] for p in (lead2, b2)} == {hashes[-1]}
+    saved = load_checkpoint(more)
+    assert saved.step == 9 and saved.run["steps"] == 9 and saved.run["seed"] == 3

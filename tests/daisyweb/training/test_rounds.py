@@ -17,6 +17,7 @@ from daisyweb.training.rounds import (
     outer_step,
     round_count,
     round_length,
+    rounds_before,
 )
 from daisyweb.training.state import TrainState
 
@@ -120,14 +121,67 @@ def test_backup_restore_rolls_back_a_committed_round() -> None:
     assert t.step == 1
 
 
-def test_a_resume_must_start_at_a_round_boundary() -> None:
-    run = _run(12, 4)
-    state = TrainState.fresh(run)
-    LockstepTrainer(state).state.apply(np.zeros(state.size, dtype=np.float32))
-    with pytest.raises(ValueError, match="not a round boundary"):
-        RoundTrainer(state, 4)
+def test_rounds_before_counts_whole_windows_and_the_short_last_round() -> None:
+    assert [rounds_before(s, 10, 4) for s in (0, 4, 8, 10)] == [0, 1, 2, 3]
+    assert rounds_before(5, 5, 2) == 3  # a finished run: its short last round counts
+    assert rounds_before(5, 9, 2) == 2  # the same step continued: inside window 2 again
+    # a run continued from step 5 first completes window 2, then follows the grid
+    assert [round_length(r, 9, 2, start_step=5) for r in (2, 3, 4)] == [1, 2, 1]
+    assert round_count(9, 2) == 5
+
+
+def _continued(trainer: RoundTrainer, steps: int) -> RoundTrainer:
+    """The trainer's state continued to ``steps`` (what --resume --steps starts from)."""
+    st = trainer.state
+    run = RunConfig(model=MODEL, batch=2, steps=steps, lr=1e-2, seed=1, sync_every=4,
+                    codec="f32")
+    return RoundTrainer(TrainState(run, st.params.copy(), _copy_adam(st)), 4)
+
+
+def _copy_adam(state: TrainState):
+    from daisyweb.optim import DaisyAdam
+
+    opt = DaisyAdam(state.optimizer.config, state.size)
+    opt.load_state_dict(state.optimizer.state_dict())
+    return opt
+
+
+def test_a_finished_run_continues_with_a_short_first_round_then_the_grid() -> None:
+    # A 6-step run of H = 4 ends after a short round (steps 4..5); continued to 13 its
+    # rounds are [6, 8) (rest of window 1), [8, 12), [12, 13).
+    run = _run(6, 4)
+    first = {p: RoundTrainer(TrainState.fresh(run), 4) for p in ("a", "b")}
+    for r in range(round_count(6, 4)):
+        _group_round(first, r)
+    assert first["a"].inner_steps == 6 and first["a"].step == 2
+    more = {p: _continued(t, 13) for p, t in first.items()}
+    start = more["a"].state.params.copy()
+    assert more["a"].step == 1 and [more["a"].steps_in(r) for r in (1, 2, 3)] == [2, 4, 1]
+    seen: list[int] = []
+    c = more["a"].contribute(1, lambda i: (seen.append(i), _batches("a")(i))[1])
+    assert seen == [6, 7]  # the batches of the inner steps it takes, not of window 1's start
+    assert np.array_equal(more["a"].state.params, start)  # contribute copies
+    log = [(("a", "b"), _group_round(more, 1))]
+    assert {t.inner_steps for t in more.values()} == {8}
+    # a member that joins at the next boundary (step 8) lays out the same rounds
+    late = _continued(more["a"], 13)
+    assert late.step == more["a"].step == 2 and late.weight_hash() == more["a"].weight_hash()
+    trio = {**more, "c": late}
+    for r in (2, 3):
+        log.append((("a", "b", "c"), _group_round(trio, r)))
+    hashes = {t.weight_hash() for t in trio.values()}
+    assert len(hashes) == 1 and {t.inner_steps for t in trio.values()} == {13}
+    assert {t.step for t in trio.values()} == {round_count(13, 4)}
+    # the shared state after a round counts the steps up to its window's end, so the
+    # oracle needs only the first round's index
+    assert replay_rounds(start, log, sync_every=4, total_steps=13,
+                         first_round=1)[-1] == hashes.pop()
+    assert c.vector.shape == start.shape
+
+
+def test_rounds_need_sync_every_of_two_or_more() -> None:
     with pytest.raises(ValueError, match="sync_every >= 2"):
-        RoundTrainer(TrainState.fresh(run), 1)
+        RoundTrainer(TrainState.fresh(_run(12, 4)), 1)
 
 
 def test_lockstep_trainer_is_the_plain_step() -> None:
