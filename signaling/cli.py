@@ -10,7 +10,10 @@ from urllib.parse import urlsplit
 
 from aiohttp import web
 
+from .hubdata import DEFAULT_DATASET, DatasetSpec, check_name
 from .server import MAX_PER_ADDRESS, create_app
+
+log = logging.getLogger("daisyweb.signal")
 
 
 class _Parser(argparse.ArgumentParser):
@@ -24,12 +27,24 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--port", type=int, default=8787)
     p.add_argument(
-        "--data", choices=("fineweb", "builtin"), default="fineweb",
-        help="/data source: FineWeb-Edu (falls back to the built-in corpus) or built-in only",
+        "--data", choices=("hub", "fineweb", "builtin"), default="hub",
+        help="/data source: a Hub dataset (--dataset; falls back to the built-in corpus) "
+             "or built-in only ('fineweb' is the old name of 'hub')",
     )
     p.add_argument(
+        "--dataset", default=None, metavar="REPO",
+        help=f"parquet dataset on the Hub for /data (default {DEFAULT_DATASET.repo}, "
+             f"config {DEFAULT_DATASET.config})",
+    )
+    p.add_argument("--config", default=None, metavar="NAME",
+                   help="the dataset's config (default: the one its card marks default)")
+    p.add_argument("--split", default=None, metavar="NAME", help="split (default train)")
+    p.add_argument("--text-column", default=None, metavar="COL",
+                   help="the column holding the text (default text)")
+    p.add_argument(
         "--hf-endpoint", default=None, metavar="URL",
-        help="Hugging Face endpoint or mirror for FineWeb-Edu (default $HF_ENDPOINT, else the Hub)",
+        help="Hugging Face endpoint or mirror for the dataset (default $HF_ENDPOINT, "
+             "else the Hub)",
     )
     p.add_argument("--trust-proxy", action="store_true", help="honour X-Forwarded-For")
     p.add_argument("--heartbeat", type=float, default=20.0)
@@ -55,24 +70,90 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         u = urlsplit(args.hf_endpoint)
         if u.scheme not in ("http", "https") or not u.hostname or u.query or u.fragment:
             parser.error(f"--hf-endpoint must be an http(s) URL, got {args.hf_endpoint!r}")
+    picked = [f for f in ("dataset", "config", "split", "text_column")
+              if getattr(args, f) is not None]
+    if args.data == "builtin" and picked:
+        parser.error(f"--{picked[0].replace('_', '-')} needs a Hub dataset, not --data builtin")
+    try:
+        args.dataset_spec = dataset_spec(args)
+    except ValueError as exc:
+        parser.error(str(exc))
     return args
 
 
-def build_app(args: argparse.Namespace) -> web.Application:
+def dataset_spec(args: argparse.Namespace) -> DatasetSpec:
+    """The dataset the flags name; FineWeb-Edu's sample-10BT when none is named."""
+    from huggingface_hub.errors import HFValidationError
+    from huggingface_hub.utils import validate_repo_id
+
+    repo = args.dataset or DEFAULT_DATASET.repo
+    try:
+        validate_repo_id(repo)
+    except HFValidationError:
+        raise ValueError(f"--dataset must be a Hub repo id (owner/name), got "
+                         f"{repo[:80]!r}") from None
+    config = args.config
+    if config is None and args.dataset is None:
+        config = DEFAULT_DATASET.config
+    for flag, value in (("--config", config), ("--split", args.split),
+                        ("--text-column", args.text_column)):
+        if value is not None:
+            check_name(value, flag)
+    return DatasetSpec(repo, config, args.split or DEFAULT_DATASET.split,
+                       args.text_column or DEFAULT_DATASET.text_column)
+
+
+def build_app(args: argparse.Namespace, reader: object = None) -> web.Application:
     return create_app(
         trust_proxy=args.trust_proxy,
         heartbeat=args.heartbeat,
         data_source=args.data,
         hf_endpoint=args.hf_endpoint,
+        dataset=args.dataset_spec,
+        fineweb=reader,
         max_per_address=args.max_per_address,
     )
+
+
+def prepared_reader(args: argparse.Namespace) -> object:
+    """The dataset reader, its shards listed and its text column checked (blocking).
+
+    Raises ``DatasetMissing`` (a refusal: no such repo, config, split or column). When
+    the Hub cannot be asked (offline, down) it logs so and returns the reader unprepared:
+    the server starts, serves the built-in corpus and /data retries the listing.
+    """
+    from .fineweb import FineWebReader, hub_offline
+    from .hubdata import DatasetUnreachable
+
+    reader = FineWebReader(args.hf_endpoint, dataset=args.dataset_spec)
+    if hub_offline():
+        log.warning("HF_HUB_OFFLINE is set: %s not checked; /data serves the built-in "
+                    "corpus", args.dataset_spec.label())
+        return reader
+    try:
+        reader.prepare()
+    except DatasetUnreachable as exc:
+        log.warning("%s not checked at start (%s); /data serves the built-in corpus until "
+                    "it answers", args.dataset_spec.label(), exc)
+        return reader
+    log.info("/data serves %s: %d parquet shards", reader.dataset.label(), len(reader.shards))
+    return reader
 
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
+    reader = None
+    if args.data != "builtin":
+        from .hubdata import DatasetMissing
+
+        try:
+            reader = prepared_reader(args)
+        except DatasetMissing as exc:
+            sys.stderr.write(f"daisyweb-signal: --dataset: {exc}\n")
+            return 2
     try:
-        web.run_app(build_app(args), host=args.host, port=args.port)
+        web.run_app(build_app(args, reader), host=args.host, port=args.port)
     except OSError as exc:
         # Binding is the only OSError run_app lets out; say which port and what to do.
         if exc.errno == errno.EADDRINUSE:

@@ -1,17 +1,22 @@
-"""FineWeb-Edu text for ``GET /data``, read with HTTP range requests.
+"""Dataset text for ``GET /data``, read with HTTP range requests.
 
-A slice is made like this: pick a random ``sample/10BT`` shard of
-``HuggingFaceFW/fineweb-edu`` that is not backing off, read its parquet footer (once per
-shard, then cached), pick a random row group and fetch only that row group's ``text``
-column chunk. The documents are cut into slices of at most ``max_bytes`` (whole documents
-joined by blank lines) that later requests are served from, so one fetch feeds several
-responses. A shard that fails is skipped for a while (exponential backoff) and another is
-tried; when nothing works the caller serves the built-in corpus and this module logs that
+Which dataset: :mod:`signaling.hubdata` (``--dataset``, default FineWeb-Edu's
+``sample-10BT``) lists the parquet shards of one config and split through
+``huggingface_hub``. A slice is made like this: pick a random shard that is not backing
+off, read its parquet footer (once per shard, then cached), pick a random row group and
+fetch only that row group's text column chunk. The documents are cut into slices of at
+most ``max_bytes`` (whole documents joined by blank lines) that later requests are served
+from, so one fetch feeds several responses. A shard that fails is skipped for a while
+(exponential backoff) and another is tried; when nothing works (or the Hub cannot be
+asked for the shard list) the caller serves the built-in corpus and this module logs that
 once per outage.
 
 The URLs come from ``huggingface_hub.hf_hub_url`` against an explicit endpoint (tests and
-mirrors pass ``--hf-endpoint``), the bytes from an fsspec ``HTTPFileSystem`` and pyarrow.
-All blocking work runs in a worker thread; at most one fetch is in flight at a time.
+mirrors pass ``--hf-endpoint``) at the commit the listing saw, the bytes from an fsspec
+``HTTPFileSystem`` and pyarrow. All blocking work runs in a worker thread; at most one
+fetch is in flight at a time. :meth:`FineWebReader.prepare` does the listing and reads
+the first shard's footer up front, so that ``daisyweb-signal`` refuses a missing
+dataset, config, split or column at start.
 """
 
 from __future__ import annotations
@@ -22,18 +27,24 @@ import os
 import random
 import time
 from collections import deque
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from .hubdata import (
+    DEFAULT_DATASET,
+    DatasetMissing,
+    DatasetSpec,
+    DatasetUnreachable,
+    list_shards,
+    quoted,
+)
+
 log = logging.getLogger("daisyweb.fineweb")
 
-REPO_ID = "HuggingFaceFW/fineweb-edu"
-# sample/10BT holds 14 shards, 000_00000.parquet .. 013_00000.parquet (~2.15 GB each).
-SHARD_COUNT = 14
-SHARD_NAME = "sample/10BT/{:03d}_00000.parquet"
+# FineWeb-Edu's sample/10BT: 14 shards, 000_00000.parquet .. 013_00000.parquet (~2.15 GB).
+FINEWEB_SAMPLE = tuple(f"sample/10BT/{i:03d}_00000.parquet" for i in range(14))
 DEFAULT_ENDPOINT = "https://huggingface.co"
-TEXT_COLUMN = "text"
 MAX_SLICE_BYTES = 256 * 1024
 # A real row group's text chunk is a few MB; refuse anything absurd instead of pulling it.
 MAX_FETCH_BYTES = 64 * 1024 * 1024
@@ -84,10 +95,11 @@ def hub_offline() -> bool:
     return os.environ.get("HF_HUB_OFFLINE", "").strip().lower() in ("1", "true", "yes", "on")
 
 
-def shard_url(index: int, endpoint: str) -> str:
+def file_url(repo: str, name: str, endpoint: str, revision: str = "main") -> str:
+    """The resolve URL of one file of a dataset repo at ``revision``."""
     from huggingface_hub import hf_hub_url
 
-    return hf_hub_url(REPO_ID, SHARD_NAME.format(index), repo_type="dataset", endpoint=endpoint)
+    return hf_hub_url(repo, name, repo_type="dataset", revision=revision, endpoint=endpoint)
 
 
 def _cut(text: str, max_bytes: int) -> str:
@@ -121,13 +133,19 @@ def pack_documents(docs: list[str], max_bytes: int) -> list[str]:
 
 
 class FineWebReader:
-    """Random FineWeb-Edu slices over range requests; ``None`` when no shard works."""
+    """Random slices of a Hub dataset over range requests; ``None`` when no shard works.
+
+    ``files`` (with ``revision``) skips the listing: tests and :meth:`prepare` pass the
+    shards; without them the first fetch lists ``dataset``'s shards.
+    """
 
     def __init__(
         self,
         endpoint: str | None = None,
         *,
-        shards: int = SHARD_COUNT,
+        dataset: DatasetSpec = DEFAULT_DATASET,
+        files: Sequence[str] | None = None,
+        revision: str = "main",
         max_bytes: int = MAX_SLICE_BYTES,
         max_fetch_bytes: int = MAX_FETCH_BYTES,
         backoff: float = BACKOFF_S,
@@ -139,12 +157,18 @@ class FineWebReader:
         rng: random.Random | None = None,
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
-        if shards < 1 or max_bytes < 64 or block_size < 1:
-            raise ValueError("shards >= 1, max_bytes >= 64 and block_size >= 1 required")
+        if (files is not None and not files) or max_bytes < 64 or block_size < 1:
+            raise ValueError("files (if given) non-empty, max_bytes >= 64 and "
+                             "block_size >= 1 required")
         self.endpoint = resolve_endpoint(endpoint)
         self.offline = hub_offline()
-        self.shards = [_Shard(SHARD_NAME.format(i), shard_url(i, self.endpoint))
-                       for i in range(shards)]
+        self.dataset = dataset
+        self.shards: list[_Shard] = []
+        self._listed = False
+        self._list_failures = 0
+        self._list_retry_at = 0.0
+        if files is not None:
+            self._use(dataset, revision, files)
         self.max_bytes = max_bytes
         self.max_fetch_bytes = max_fetch_bytes
         self.backoff = backoff
@@ -186,7 +210,7 @@ class FineWebReader:
             except Exception:  # a bug here must cost one response its source, not a 500
                 log.exception("fineweb fetch crashed; serving the built-in corpus")
                 return None
-            if not ok and not self._pending:
+            if not ok and not self._pending and self._listed:
                 self._note_down(f"no shard answered at {self.endpoint}")
                 return None
         return self._pending.popleft()
@@ -201,17 +225,69 @@ class FineWebReader:
 
             await asyncio.to_thread(HTTPFileSystem.close_session, fs.loop, fs._session)
 
+    def describe(self) -> dict[str, Any]:
+        """What this reader serves, for /healthz and the dashboard."""
+        return {**self.dataset.describe(),
+                "shards": len(self.shards) if self._listed else None}
+
+    def _use(self, dataset: DatasetSpec, revision: str, files: Sequence[str]) -> None:
+        self.dataset = dataset
+        self.shards = [_Shard(f, file_url(dataset.repo, f, self.endpoint, revision))
+                       for f in files]
+        self._listed = True
+
     def _available(self) -> bool:
         now = self.clock()
+        if not self._listed:
+            return self._list_retry_at <= now
         return any(s.retry_at <= now for s in self.shards)
 
     def _note_down(self, why: str) -> None:
         if not self._down:
             self._down = True
-            log.warning("/data: FineWeb-Edu unavailable (%s); serving the built-in corpus", why)
+            log.warning("/data: %s unavailable (%s); serving the built-in corpus",
+                        self.dataset.repo, why)
+
+    # ------------------------------------------------------------------ listing
+    def _list(self) -> None:
+        """List the dataset's shards (blocking); a failure backs the listing off."""
+        try:
+            listing = list_shards(self.dataset, self.endpoint, sum(self._timeouts))
+        except (DatasetMissing, DatasetUnreachable) as exc:
+            self._list_failures += 1
+            delay = min(self.max_backoff, self.backoff * 2 ** (self._list_failures - 1))
+            self._list_retry_at = self.clock() + delay
+            log.debug("listing %s failed (%s); retry in %.0f s", self.dataset.repo, exc, delay)
+            raise
+        self._use(listing.spec, listing.revision, listing.files)
+
+    def prepare(self) -> None:
+        """List the shards and check the text column in the first one's footer (blocking).
+
+        For ``daisyweb-signal`` at start: raises :class:`DatasetMissing` for a dataset,
+        config, split or column that is not there (a refusal), and
+        :class:`DatasetUnreachable` when the Hub cannot be asked (the server starts
+        anyway and /data retries).
+        """
+        if not self._listed:
+            self._list()
+        shard = self.shards[0]
+        try:
+            self._footer(shard)
+        except DatasetMissing:
+            raise
+        except Exception as exc:  # noqa: BLE001 - the network, not the dataset
+            raise DatasetUnreachable(f"cannot read {shard.name}: {type(exc).__name__}: "
+                                     f"{str(exc)[:200]}") from None
 
     async def _fill(self) -> bool:
         """Read one row group of one working shard into the pending slices."""
+        if not self._listed:
+            try:
+                await asyncio.to_thread(self._list)
+            except (DatasetMissing, DatasetUnreachable) as exc:
+                self._note_down(str(exc))
+                return False
         now = self.clock()
         ready = [s for s in self.shards if s.retry_at <= now]
         self.rng.shuffle(ready)
@@ -224,7 +300,7 @@ class FineWebReader:
             shard.failures, shard.retry_at = 0, 0.0
             if self._down:
                 self._down = False
-                log.info("/data: FineWeb-Edu reachable again (%s)", shard.name)
+                log.info("/data: %s reachable again (%s)", self.dataset.repo, shard.name)
             self.fetches += 1
             self._pending.extend(Slice(t, shard.name, rg) for t in slices)
             if self._pending:
@@ -262,7 +338,8 @@ class FineWebReader:
             shard.url, "rb", size=shard.size, block_size=self.block_size, cache_type=CACHE_TYPE
         )
 
-    def _read(self, shard: _Shard) -> tuple[int, list[str]]:
+    def _footer(self, shard: _Shard) -> Any:
+        """The shard's parquet metadata, read once (HEAD + one footer range)."""
         import pyarrow.parquet as pq
 
         if shard.meta is None:
@@ -276,16 +353,42 @@ class FineWebReader:
             shard.size = int(size)
             with self._open(shard) as f:
                 meta = pq.ParquetFile(f).metadata
-            if TEXT_COLUMN not in meta.schema.names or meta.num_row_groups < 1:
-                raise ShardError(f"no {TEXT_COLUMN!r} column or no row groups")
+            self._check_column(shard, meta)
+            if meta.num_row_groups < 1:
+                raise ShardError("no row groups")
             shard.meta = meta
-        meta = shard.meta
+        return shard.meta
+
+    def _check_column(self, shard: _Shard, meta: Any) -> None:
+        import pyarrow as pa
+
+        col = self.dataset.text_column
+        schema = meta.schema.to_arrow_schema()
+        if col not in schema.names:
+            raise DatasetMissing(
+                f"dataset {self.dataset.repo} has no column {quoted(col)} in {shard.name} "
+                f"(its columns: {', '.join(quoted(n, 40) for n in schema.names[:20])}); "
+                "pass --text-column")
+        kind = schema.field(col).type
+        if not (pa.types.is_string(kind) or pa.types.is_large_string(kind)):
+            raise DatasetMissing(f"column {quoted(col)} of dataset {self.dataset.repo} holds "
+                                 f"{kind}, not text; pass --text-column")
+
+    def _read(self, shard: _Shard) -> tuple[int, list[str]]:
+        import pyarrow.parquet as pq
+
+        meta = self._footer(shard)
+        col = self.dataset.text_column
         rg = self.rng.randrange(meta.num_row_groups)
-        col = meta.schema.names.index(TEXT_COLUMN)
-        cost = meta.row_group(rg).column(col).total_compressed_size
+        group = meta.row_group(rg)
+        chunks = [group.column(i) for i in range(group.num_columns)
+                  if group.column(i).path_in_schema == col]
+        if not chunks:
+            raise ShardError(f"row group {rg} has no {quoted(col)} column chunk")
+        cost = chunks[0].total_compressed_size
         if cost > self.max_fetch_bytes:
             raise ShardError(f"row group {rg} text is {cost} bytes (> {self.max_fetch_bytes})")
         with self._open(shard) as f:
-            table = pq.ParquetFile(f, metadata=meta).read_row_group(rg, columns=[TEXT_COLUMN])
-        docs = [d for d in table.column(TEXT_COLUMN).to_pylist() if isinstance(d, str)]
+            table = pq.ParquetFile(f, metadata=meta).read_row_group(rg, columns=[col])
+        docs = [d for d in table.column(col).to_pylist() if isinstance(d, str)]
         return rg, pack_documents(docs, self.max_bytes)

@@ -221,6 +221,7 @@ RATE = web.AppKey("rate", tuple)
 DATA_SOURCE = web.AppKey("data_source", str)
 DATA_OPTIONS = web.AppKey("data_options", dict)
 FINEWEB = web.AppKey("fineweb", object)  # FineWebReader or None
+DATA_LAST = web.AppKey("data_last", list)  # [source of the newest /data slice or None]
 
 ROOM_CLOSED = "every admitted member of this room has left; the room is closed"
 TOO_MANY = "too many connections from your address"
@@ -413,7 +414,19 @@ async def handle(reg: Registry, peer: Peer, group: Group, msg: dict[str, Any]) -
 
 async def healthz(request: web.Request) -> web.Response:
     reg: Registry = request.app[REGISTRY]
-    return web.json_response({"ok": True, "groups": len(reg.groups), "peers": len(reg.peers)})
+    return web.json_response({"ok": True, "groups": len(reg.groups), "peers": len(reg.peers),
+                              "data": data_info(request.app)})
+
+
+def data_info(app: web.Application) -> dict[str, Any]:
+    """What /data serves: the dataset (repo, config, split, column, shard count once
+    listed), or only the built-in corpus; ``last`` is where the newest slice came from."""
+    reader = app.get(FINEWEB)
+    info: dict[str, Any] = {"source": "builtin" if reader is None else "hub",
+                            "last": app[DATA_LAST][0]}
+    if reader is not None:
+        info.update(reader.describe())
+    return info
 
 
 def _may_view(group: Group, request: web.Request) -> tuple[bool, bool]:
@@ -526,12 +539,13 @@ async def data_slice(app: web.Application) -> tuple[str, str]:
     if reader is not None:
         piece = await reader.next_slice()
         if piece is not None:
-            return piece.text, "fineweb"
+            return piece.text, "hub"
     return builtin_slice(), "builtin"
 
 
 async def data(request: web.Request) -> web.Response:
     text, source = await data_slice(request.app)
+    request.app[DATA_LAST][0] = source
     return web.Response(
         text=text, content_type="text/plain", headers={"X-Daisyweb-Source": source}
     )
@@ -586,6 +600,7 @@ def create_app(
     data_source: str = "builtin",
     hf_endpoint: str | None = None,
     fineweb: Any = None,
+    dataset: Any = None,
     rate_per_s: float = RATE_PER_S,
     rate_burst: float = RATE_BURST,
     max_per_address: int = MAX_PER_ADDRESS,
@@ -593,12 +608,14 @@ def create_app(
 ) -> web.Application:
     """``heartbeat``: ping interval in seconds (None: no pings); ``rate_per_s``/``rate_burst``:
     each connection's message token bucket; ``max_per_address``: open WebSockets allowed
-    per client address (more are closed at once). ``data_source="fineweb"``: /data reads
-    FineWeb-Edu from ``hf_endpoint`` (default the Hub's), falling back to the built-in
-    corpus; ``fineweb`` injects a ready reader (tests).
+    per client address (more are closed at once). ``data_source="hub"`` (or its old name
+    ``"fineweb"``): /data reads ``dataset`` (a ``hubdata.DatasetSpec``, default FineWeb-Edu)
+    from ``hf_endpoint`` (default the Hub's), falling back to the built-in corpus;
+    ``fineweb`` injects a ready reader (the CLI's, prepared at start; tests).
     """
-    if data_source not in ("fineweb", "builtin"):
-        raise ValueError(f"data_source must be 'fineweb' or 'builtin', not {data_source!r}")
+    if data_source not in ("hub", "fineweb", "builtin"):
+        raise ValueError(f"data_source must be 'hub' or 'builtin', not {data_source!r}")
+    data_source = "hub" if data_source == "fineweb" else data_source
     if not (rate_per_s > 0 and rate_burst >= 1):
         raise ValueError("rate_per_s must be > 0 and rate_burst >= 1")
     if isinstance(max_per_address, bool) or not isinstance(max_per_address, int) or (
@@ -611,11 +628,13 @@ def create_app(
     app[RATE] = (float(rate_per_s), float(rate_burst))
     app[DATA_SOURCE] = data_source
     app[DATA_OPTIONS] = kw
-    if data_source == "fineweb" and fineweb is None:
-        from .fineweb import FineWebReader  # pyarrow/fsspec only when FineWeb is wanted
+    app[DATA_LAST] = [None]
+    if data_source == "hub" and fineweb is None:
+        from .fineweb import FineWebReader  # pyarrow/fsspec only when a dataset is wanted
+        from .hubdata import DEFAULT_DATASET
 
-        fineweb = FineWebReader(hf_endpoint)
-    app[FINEWEB] = fineweb if data_source == "fineweb" else None
+        fineweb = FineWebReader(hf_endpoint, dataset=dataset or DEFAULT_DATASET)
+    app[FINEWEB] = fineweb if data_source == "hub" else None
     app.on_cleanup.append(_close_fineweb)
     app.router.add_get("/ws", ws_handler)
     app.router.add_get("/healthz", healthz)

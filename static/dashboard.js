@@ -68,9 +68,26 @@ async function getJSON(url) {
 
 // ---- overview ---------------------------------------------------------------------------
 
+// ---- the server and the dataset /data serves (issue 15) -----------------------------------
+
+function dataLine(d) {
+  if (!d || typeof d !== "object") return "";
+  if (d.source !== "hub") return " Data: the built-in corpus.";
+  const parts = [d.config, d.split && "split " + d.split,
+    d.text_column && "column " + d.text_column].filter((x) => typeof x === "string" && x);
+  const fallback = d.last === "builtin" ? "; unreachable now, serving the built-in corpus" : "";
+  return " Data: " + clip(d.dataset, 96) + " (" + parts.map((p) => clip(p, 64)).join(", ") +
+    fallback + ").";
+}
+
+function drawHealth(h) {
+  $("health").textContent = "Server is up: " + h.groups + " groups, " + h.peers + " peers." +
+    dataLine(h.data);
+}
+
 async function refreshOverview() {
   const h = await getJSON("/healthz");
-  $("health").textContent = "Server is up: " + h.groups + " groups, " + h.peers + " peers.";
+  drawHealth(h);
   const g = await getJSON("/api/groups");
   const tbody = $("groups").querySelector("tbody");
   tbody.replaceChildren();
@@ -368,7 +385,7 @@ function drawGroup(info) {
 
 async function refreshGroup() {
   const h = await getJSON("/healthz");
-  $("health").textContent = "Server is up: " + h.groups + " groups, " + h.peers + " peers.";
+  drawHealth(h);
   let info;
   try {
     info = await getJSON(detailURL());

@@ -32,11 +32,14 @@ def test_default_data_is_fineweb_against_the_hub(monkeypatch):
 
     monkeypatch.delenv("HF_ENDPOINT", raising=False)
     args = parse_args([])
-    assert args.data == "fineweb" and args.hf_endpoint is None
+    assert args.data == "hub" and args.hf_endpoint is None
     reader = build_app(args)[FINEWEB]
     assert isinstance(reader, FineWebReader)  # built, but nothing fetched until /data
     assert reader.endpoint == "https://huggingface.co" and reader.fetches == 0
-    assert reader.shards[0].url.startswith("https://huggingface.co/datasets/HuggingFaceFW/")
+    assert reader.dataset.repo == "HuggingFaceFW/fineweb-edu"
+    assert reader.dataset.config == "sample-10BT"
+    assert reader.describe()["shards"] is None  # listed by the first /data (or at start)
+    assert parse_args(["--data", "fineweb"]).data == "fineweb"  # the old name still works
 
 
 def test_hf_endpoint_flag_and_builtin(monkeypatch):
@@ -45,9 +48,6 @@ def test_hf_endpoint_flag_and_builtin(monkeypatch):
     monkeypatch.setenv("HF_ENDPOINT", "http://127.0.0.1:1")
     app = build_app(parse_args(["--hf-endpoint", "http://127.0.0.1:9/mirror/"]))
     assert app[FINEWEB].endpoint == "http://127.0.0.1:9/mirror"  # the flag wins over env
-    assert app[FINEWEB].shards[1].url == (
-        "http://127.0.0.1:9/mirror/datasets/HuggingFaceFW/fineweb-edu/resolve/main/"
-        "sample/10BT/001_00000.parquet")
     assert build_app(parse_args(["--data", "builtin"]))[FINEWEB] is None
 
 

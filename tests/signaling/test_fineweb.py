@@ -1,4 +1,5 @@
-"""The FineWeb-Edu reader against a local server laid out like the Hub, honouring Range."""
+"""The dataset reader against a local server laid out like the Hub (its file resolve
+URLs honouring Range, and the dataset API huggingface_hub lists shards with)."""
 
 from __future__ import annotations
 
@@ -16,18 +17,28 @@ import pytest
 from aiohttp import web
 
 from signaling.fineweb import (
+    FINEWEB_SAMPLE,
     MAX_SLICE_BYTES,
-    SHARD_COUNT,
     FineWebReader,
+    file_url,
     pack_documents,
     resolve_endpoint,
-    shard_url,
 )
 from signaling.server import FINEWEB, create_app
 
 ROW_GROUPS = 8
 ROWS = 40
 PREFIX = "/datasets/HuggingFaceFW/fineweb-edu/resolve/main/"
+SHA = "5e" * 20  # the commit the fake Hub lists; resolve URLs carry it
+FINEWEB_CARD = {"configs": [
+    {"config_name": "default", "data_files": [{"split": "train", "path": "data/*/*"}]},
+    {"config_name": "sample-10BT", "data_files": [{"split": "train",
+                                                   "path": "sample/10BT/*"}]},
+]}
+
+
+def _sample(n: int) -> list[str]:
+    return list(FINEWEB_SAMPLE[:n])
 DOC_RE = re.compile(r"^\[rg(\d+) row(\d+)\] ")
 
 
@@ -57,23 +68,33 @@ def shard_file(tmp_path_factory) -> tuple[Path, dict[str, int]]:
 
 
 class Hub:
-    """Serves shard names listed in ``files`` at the Hub's resolve layout; others 404."""
+    """Serves shard names listed in ``files`` at the Hub's resolve layout (any revision)
+    and the dataset API listing them with ``card``; others 404."""
 
-    def __init__(self, data: bytes, files: set[str], delay: float = 0.0) -> None:
+    def __init__(self, data: bytes, files: set[str], delay: float = 0.0,
+                 repo: str = "HuggingFaceFW/fineweb-edu", card: dict | None = None) -> None:
         self.data = data
         self.files = files
         self.delay = delay
+        self.repo = repo
+        self.card = FINEWEB_CARD if card is None else card
+        self.listed = set(files)  # what the API lists (files may later vanish)
         self.requests: list[tuple[str, str, str | None]] = []  # (method, name, range)
+        self.api_calls = 0
         self.bytes_sent = 0
         self.ranges_ok = True
 
     async def handle(self, request: web.Request) -> web.StreamResponse:
-        name = request.path.removeprefix(PREFIX)
+        if request.path.startswith("/api/datasets/"):
+            return self.api(request)
+        m = re.fullmatch(rf"/datasets/{re.escape(self.repo)}/resolve/([^/]+)/(.+)",
+                         request.path)
+        name = m[2] if m else request.path
         rng = request.headers.get("Range")
         self.requests.append((request.method, name, rng))
         if self.delay:
             await asyncio.sleep(self.delay)
-        if not request.path.startswith(PREFIX) or name not in self.files:
+        if m is None or m[1] not in ("main", SHA) or name not in self.files:
             raise web.HTTPNotFound()
         size = len(self.data)
         headers = {"Accept-Ranges": "bytes" if self.ranges_ok else "none"}
@@ -88,6 +109,18 @@ class Hub:
         self.bytes_sent += len(body)
         headers["Content-Range"] = f"bytes {start}-{end}/{size}"
         return web.Response(status=206, body=body, headers=headers)
+
+    def api(self, request: web.Request) -> web.Response:
+        """GET /api/datasets/REPO: what huggingface_hub's dataset_info reads."""
+        self.api_calls += 1
+        repo = request.path.removeprefix("/api/datasets/").split("/revision/")[0]
+        if repo != self.repo:
+            # what the Hub sends for a repo that is not there (or private)
+            return web.json_response({"error": "Repository not found"}, status=404,
+                                     headers={"X-Error-Code": "RepoNotFound"})
+        siblings = [{"rfilename": f} for f in sorted(self.listed | {"README.md"})]
+        return web.json_response({"id": repo, "sha": SHA, "siblings": siblings,
+                                  "cardData": self.card})
 
     def heads(self, name: str) -> int:
         return sum(1 for m, n, _ in self.requests if m == "HEAD" and n == name)
@@ -195,11 +228,15 @@ def _docs_of(text: str) -> list[str]:
 # ---------------------------------------------------------------------- pure parts
 def test_urls_follow_the_hub_layout(monkeypatch):
     monkeypatch.delenv("HF_ENDPOINT", raising=False)
-    assert SHARD_COUNT == 14
-    assert shard_url(13, resolve_endpoint(None)) == (
+    assert len(FINEWEB_SAMPLE) == 14
+    assert file_url("HuggingFaceFW/fineweb-edu", FINEWEB_SAMPLE[13],
+                    resolve_endpoint(None)) == (
         "https://huggingface.co/datasets/HuggingFaceFW/fineweb-edu/resolve/main/"
         "sample/10BT/013_00000.parquet")
-    assert shard_url(0, "http://127.0.0.1:9").startswith("http://127.0.0.1:9" + PREFIX)
+    assert file_url("HuggingFaceFW/fineweb-edu", "x.parquet", "http://127.0.0.1:9").startswith(
+        "http://127.0.0.1:9" + PREFIX)
+    assert file_url("a/b", "d/x.parquet", "http://127.0.0.1:9", SHA) == (
+        f"http://127.0.0.1:9/datasets/a/b/resolve/{SHA}/d/x.parquet")
     monkeypatch.setenv("HF_ENDPOINT", "http://127.0.0.1:5/")
     assert resolve_endpoint(None) == "http://127.0.0.1:5"
     assert resolve_endpoint("http://127.0.0.1:6") == "http://127.0.0.1:6"  # flag wins
@@ -222,9 +259,9 @@ async def test_data_serves_a_row_group_from_the_shard(hub, shard_file, make_read
     path, docs = shard_file
     size = path.stat().st_size
     assert size > 3_000_000
-    reader = make_reader(hub.url, shards=1)
+    reader = make_reader(hub.url, files=_sample(1))
     text, source = await _get(create_app(data_source="fineweb", fineweb=reader))
-    assert source == "fineweb"
+    assert source == "hub"
     got = _docs_of(text)
     assert got and all(d in docs for d in got)
     assert len({docs[d] for d in got}) == 1  # one row group
@@ -240,7 +277,7 @@ async def test_footer_cached_and_each_slice_costs_one_text_chunk(hub, shard_file
     path, docs = shard_file
     size = path.stat().st_size
     name = "sample/10BT/000_00000.parquet"
-    reader = make_reader(hub.url, shards=1)
+    reader = make_reader(hub.url, files=_sample(1))
     seen_groups = set()
     costs = []
     for _ in range(6):
@@ -260,7 +297,7 @@ async def test_footer_cached_and_each_slice_costs_one_text_chunk(hub, shard_file
 
 async def test_small_slices_come_from_one_fetch(hub, shard_file, make_reader):
     _, docs = shard_file
-    reader = make_reader(hub.url, shards=1, max_bytes=20_000)
+    reader = make_reader(hub.url, files=_sample(1), max_bytes=20_000)
     first = await reader.next_slice()
     assert first is not None
     after_first = len(hub.requests)
@@ -274,7 +311,7 @@ async def test_small_slices_come_from_one_fetch(hub, shard_file, make_reader):
 async def test_404_shard_is_skipped_and_backs_off(hub, make_reader):
     hub.files = {"sample/10BT/002_00000.parquet"}
     clock = Clock()
-    reader = make_reader(hub.url, shards=3, clock=clock, backoff=30.0)
+    reader = make_reader(hub.url, files=_sample(3), clock=clock, backoff=30.0)
     for _ in range(8):
         piece = await reader.next_slice()
         assert piece is not None and piece.shard == "sample/10BT/002_00000.parquet"
@@ -294,7 +331,7 @@ async def test_404_shard_is_skipped_and_backs_off(hub, make_reader):
 async def test_all_shards_failing_serves_builtin_and_logs_once(hub, make_reader, caplog):
     hub.files = set()
     clock = Clock()
-    reader = make_reader(hub.url, shards=2, clock=clock)
+    reader = make_reader(hub.url, files=_sample(2), clock=clock)
     app = create_app(data_source="fineweb", fineweb=reader)
     caplog.set_level(logging.INFO, logger="daisyweb.fineweb")
     texts = []
@@ -325,7 +362,7 @@ async def test_connection_refused_falls_back(localhost_only, make_reader, caplog
     with socket.socket() as s:  # a port nobody listens on
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    reader = make_reader(f"http://127.0.0.1:{port}", shards=2)
+    reader = make_reader(f"http://127.0.0.1:{port}", files=_sample(2))
     caplog.set_level(logging.WARNING, logger="daisyweb.fineweb")
     text, source = await _get(create_app(data_source="fineweb", fineweb=reader))
     assert source == "builtin" and text.strip()
@@ -334,13 +371,13 @@ async def test_connection_refused_falls_back(localhost_only, make_reader, caplog
 
 async def test_no_range_support_is_refused(hub, make_reader):
     hub.ranges_ok = False  # Accept-Ranges: none: fsspec would stream the whole file
-    reader = make_reader(hub.url, shards=1)
+    reader = make_reader(hub.url, files=_sample(1))
     assert await reader.next_slice() is None
     assert hub.bytes_sent == 0
 
 
 async def test_oversize_row_group_is_refused(hub, make_reader):
-    reader = make_reader(hub.url, shards=1, max_fetch_bytes=10_000)
+    reader = make_reader(hub.url, files=_sample(1), max_fetch_bytes=10_000)
     assert await reader.next_slice() is None
     footer_only = hub.bytes_sent
     assert footer_only < 100_000  # the footer, never the row group
@@ -348,7 +385,7 @@ async def test_oversize_row_group_is_refused(hub, make_reader):
 
 async def test_slow_hub_gives_builtin_now_fineweb_later(hub, make_reader):
     hub.delay = 0.3
-    reader = make_reader(hub.url, shards=1, wait=0.1, max_bytes=20_000)
+    reader = make_reader(hub.url, files=_sample(1), wait=0.1, max_bytes=20_000)
     assert await reader.next_slice() is None  # request did not wait for the fetch
     for _ in range(60):
         await asyncio.sleep(0.1)
@@ -359,7 +396,7 @@ async def test_slow_hub_gives_builtin_now_fineweb_later(hub, make_reader):
 
 
 async def test_concurrent_requests_share_one_fetch(hub, make_reader):
-    reader = make_reader(hub.url, shards=1, max_bytes=20_000)
+    reader = make_reader(hub.url, files=_sample(1), max_bytes=20_000)
     pieces = await asyncio.gather(*(reader.next_slice() for _ in range(5)))
     assert all(p is not None for p in pieces)
     assert len({p.text for p in pieces}) == 5
@@ -368,7 +405,7 @@ async def test_concurrent_requests_share_one_fetch(hub, make_reader):
 
 async def test_hf_hub_offline_env_serves_builtin(localhost_only, monkeypatch, make_reader, caplog):
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
-    reader = make_reader("http://127.0.0.1:9", shards=1)
+    reader = make_reader("http://127.0.0.1:9", files=_sample(1))
     caplog.set_level(logging.WARNING, logger="daisyweb.fineweb")
     assert await reader.next_slice() is None
     assert await reader.next_slice() is None
@@ -389,14 +426,18 @@ async def test_cli_app_reads_from_hf_endpoint(hub, shard_file):
     from signaling.cli import build_app, parse_args
 
     _, docs = shard_file
-    hub.files = {f"sample/10BT/{i:03d}_00000.parquet" for i in range(SHARD_COUNT)}
-    app = build_app(parse_args(["--hf-endpoint", hub.url]))  # default --data fineweb
+    hub.files = hub.listed = set(FINEWEB_SAMPLE) | {"data/CC-MAIN-2024-10/000_00000.parquet"}
+    app = build_app(parse_args(["--hf-endpoint", hub.url]))  # default --data hub
     text, source = await _get(app)
-    assert source == "fineweb" and all(d in docs for d in _docs_of(text))
+    assert source == "hub" and all(d in docs for d in _docs_of(text))
+    # the shards came from the Hub's listing of the sample-10BT config, at its commit
+    reader = app[FINEWEB]
+    assert hub.api_calls == 1 and [s.name for s in reader.shards] == list(FINEWEB_SAMPLE)
+    assert all(f"/resolve/{SHA}/sample/10BT/" in s.url for s in reader.shards)
 
 
 async def test_a_crashing_fetch_still_answers_builtin(hub, make_reader, monkeypatch, caplog):
-    reader = make_reader(hub.url, shards=1)
+    reader = make_reader(hub.url, files=_sample(1))
 
     async def boom() -> bool:
         raise RuntimeError("bug")
