@@ -36,6 +36,14 @@ MAX_STEP = (1 << 63) - 1  # as daisyweb.rules.MAX_STEP: steps fit a signed 64-bi
 MAX_PEERS = 1 << 20
 MAX_LOSS = 1e9  # far above any real cross-entropy, far below float overflow
 MAX_TOKENS_PER_S = 1e12
+# The pool fields of a status report (issue 15): the machine, its share, its links.
+MAX_CPU_CHARS = 64  # "Intel(R) Xeon(R) CPU E5-2690 v4 @ 2.60GHz" is 41
+MAX_BACKEND_CHARS = 16  # a kernel backend name: blas, blas64, mirror, lut
+MAX_CORES = 1 << 16
+MAX_RAM_MB = 1 << 30  # MiB: an exbibyte
+MAX_ETA_S = 1e9  # about 32 years
+MAX_LINKS = 256  # link entries in one report; a bigger group shows its first 256
+MAX_RTT_MS = 60_000.0  # as daisyweb.net.link.MAX_RTT_S
 # Text that must never reach a terminal, a log line or a page raw: ANSI escape and
 # control sequences (7- and 8-bit), then every control, format (bidi overrides,
 # zero-width), surrogate and line/paragraph separator character.
@@ -161,6 +169,51 @@ def _status_extras(msg: dict) -> dict[str, Any]:
         out["heldout_loss"] = _number_in(msg, "heldout_loss", 0.0, MAX_LOSS)
     if "heldout_step" in msg:  # the step the held-out loss was evaluated at
         out["heldout_step"] = _int_in(msg, "heldout_step", 0, MAX_STEP)
+    return out | _pool_extras(msg)
+
+
+def _pool_extras(msg: dict) -> dict[str, Any]:
+    """The pool fields (issue 15): this peer's machine and kernel backend, its share of
+    the batch and its own speed, the run's ETA and step budget, and its links' round-trip
+    times by peer id (``null``: connected, not yet measured)."""
+    out: dict[str, Any] = {}
+    if "cpu" in msg:
+        out["cpu"] = _text(msg, "cpu", MAX_CPU_CHARS)
+    if "cores" in msg:
+        out["cores"] = _int_in(msg, "cores", 1, MAX_CORES)
+    if "ram_mb" in msg:
+        out["ram_mb"] = _int_in(msg, "ram_mb", 1, MAX_RAM_MB)
+    if "backend" in msg:
+        out["backend"] = _text(msg, "backend", MAX_BACKEND_CHARS)
+    if "share" in msg:  # this peer's share of the step's (or round's) sequences
+        out["share"] = _number_in(msg, "share", 0.0, 1.0)
+    if "peer_tokens_per_s" in msg:  # this machine's own compute speed
+        out["peer_tokens_per_s"] = _number_in(msg, "peer_tokens_per_s", 0.0, MAX_TOKENS_PER_S)
+    if "eta_s" in msg:
+        out["eta_s"] = _number_in(msg, "eta_s", 0.0, MAX_ETA_S)
+    if "total_steps" in msg:
+        out["total_steps"] = _int_in(msg, "total_steps", 0, MAX_STEP)
+    if "links" in msg:
+        out["links"] = _links(msg)
+    return out
+
+
+def _links(msg: dict) -> dict[str, float | None]:
+    links = _field(msg, "links", (dict,), "an object of peer id -> round-trip ms or null")
+    if len(links) > MAX_LINKS:
+        raise ProtocolError("bad_field", f"field 'links' holds more than {MAX_LINKS} entries")
+    out: dict[str, float | None] = {}
+    for peer, rtt in links.items():
+        if not valid_peer_id(peer):
+            raise ProtocolError("bad_field", "field 'links' has a key that is no peer id")
+        if rtt is None:
+            out[peer] = None
+            continue
+        if isinstance(rtt, bool) or not isinstance(rtt, (int, float)) or not (
+                0.0 <= rtt <= MAX_RTT_MS):
+            raise ProtocolError("bad_field", f"field 'links' needs round-trip times in "
+                                             f"0..{MAX_RTT_MS:g} ms or null")
+        out[peer] = float(rtt)
     return out
 
 

@@ -46,6 +46,12 @@ MAX_PER_ADDRESS = 32
 # Report fields a peer sends only now and then (held-out loss at --eval-every boundaries,
 # the round fields not in the final report): a later report without them keeps the last.
 STICKY_FIELDS = ("mode", "round", "comm_share", "heldout_loss", "heldout_step", "transport")
+# The pool fields (issue 15) a final report may leave out: kept like the above. Links are
+# not: a report without them means no link is up.
+POOL_STICKY_FIELDS = ("cpu", "cores", "ram_mb", "backend", "share", "peer_tokens_per_s",
+                      "eta_s", "total_steps")
+# The held-out loss curve: the last HELDOUT_POINTS (step, held-out loss) per peer.
+HELDOUT_POINTS = 500
 _order = itertools.count()
 # WebSocket close codes with their reasons (a reason is at most 123 bytes).
 CLOSE_POLICY = 1008
@@ -94,6 +100,7 @@ class Group:
     # Dashboard state, per current member: latest status report and a bounded loss history.
     reports: dict[str, dict[str, Any]] = field(default_factory=dict)
     history: dict[str, deque[tuple[int, float]]] = field(default_factory=dict)
+    heldout: dict[str, deque[tuple[int, float]]] = field(default_factory=dict)
     # Private rooms: the secret of the dashboard link, valid only for the peer in key_holder.
     host_key: str | None = None
     key_holder: str | None = None
@@ -105,7 +112,7 @@ class Group:
         if "heldout_loss" in report:  # a peer resends its last one: it says its step
             report.setdefault("heldout_step", report["step"])
         previous = self.reports.get(peer_id, {})
-        for name in STICKY_FIELDS:
+        for name in (*STICKY_FIELDS, *POOL_STICKY_FIELDS):
             if name not in report and name in previous:
                 report[name] = previous[name]
         self.reports[peer_id] = report
@@ -113,10 +120,21 @@ class Group:
         if hist is None:
             hist = self.history[peer_id] = deque(maxlen=HISTORY_POINTS)
         hist.append((report["step"], report["loss"]))
+        self._record_heldout(peer_id, report)
+
+    def _record_heldout(self, peer_id: str, report: dict[str, Any]) -> None:
+        """A held-out loss is resent with every report: one point per evaluated step."""
+        if "heldout_loss" not in report:
+            return
+        points = self.heldout.setdefault(peer_id, deque(maxlen=HELDOUT_POINTS))
+        point = (report["heldout_step"], report["heldout_loss"])
+        if not points or points[-1][0] != point[0]:
+            points.append(point)
 
     def forget(self, peer_id: str) -> None:
         self.reports.pop(peer_id, None)
         self.history.pop(peer_id, None)
+        self.heldout.pop(peer_id, None)
 
     def admit(self, peer: Peer) -> None:
         """``peer`` becomes a member, with a fresh secret for its dashboard view."""
@@ -452,6 +470,9 @@ def _group_info(group: Group, host_view: bool = False) -> dict[str, Any]:
             pid: [list(pt) for pt in h] for pid, h in group.history.items() if pid in group.members
         },
         "can_decide": host_view,
+        "heldout_history": {
+            pid: [list(pt) for pt in h] for pid, h in group.heldout.items() if pid in group.members
+        },
     }
     if host_view:
         info["waiting_peers"] = [{"id": p.id, "name": p.name} for p in group.waiting.values()]

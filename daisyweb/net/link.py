@@ -59,6 +59,8 @@ SEND_LOW_WATER = 256 << 10
 CHANNEL_LABEL = "daisyweb"
 # A link refusing more than this many distinct messages is a misbehaving peer: drop it.
 MAX_BAD_MESSAGES = 20
+# A heartbeat answer older than this is no round-trip time (the peer would be dead).
+MAX_RTT_S = 60.0
 
 
 class Link:
@@ -97,6 +99,9 @@ class Link:
         self._send_lock = asyncio.Lock()
         self._drained = asyncio.Event()
         self._bad = 0
+        self.rtt: float | None = None  # seconds, from the last answered heartbeat
+        # The mesh's fault hook (peer, message) -> True to drop: tests silence a peer.
+        self.drop_heartbeat: Callable[[str, wire.Message], bool] | None = None
         # msg_ids already reported bad: the rest of that message's frames are refused
         # too, but one broken message is one BadMessage, not one per frame.
         self._refused: deque[int] = deque(maxlen=256)
@@ -266,6 +271,7 @@ class Link:
             self._report_bad(f"bad message: {e}")
             return
         if isinstance(message, wire.Heartbeat):
+            self._heartbeat(message)
             return
         size = len(whole)
         if not self._events.fits(size):
@@ -275,6 +281,17 @@ class Link:
             self.drop("receive backlog full")
             return
         self._events.put(Received(self.peer, message), size)
+
+    def _heartbeat(self, beat: wire.Heartbeat) -> None:
+        """Answer a beat at once; an answer to ours gives the round-trip time."""
+        if beat.echo == 0.0:
+            answer = wire.Heartbeat(t=time.time(), echo=beat.t)
+            if self.drop_heartbeat is None or not self.drop_heartbeat(self.peer, answer):
+                self.send_heartbeat(wire.encode(answer))
+            return
+        rtt = time.time() - beat.echo
+        if 0.0 <= rtt <= MAX_RTT_S:  # a wall-clock step (or a forged echo) is no sample
+            self.rtt = rtt
 
     def _report_bad(self, error: str) -> None:
         self._bad += 1

@@ -212,6 +212,11 @@ class Mesh:
         """
         await self._signaling.report_status(fields)
 
+    def link_rtts(self) -> dict[str, float | None]:
+        """Each usable link's round-trip time in seconds (None until a heartbeat was
+        answered), by peer id: the dashboard's link matrix."""
+        return {p: link.rtt for p, link in self._links.items() if link.usable}
+
     def host_link(self) -> str | None:
         """The host's dashboard approval link, once the server sent a host key."""
         return self._signaling.host_link()
@@ -275,6 +280,7 @@ class Mesh:
             msg_ids=self._msg_ids,
             on_drop=self._forget,
         )
+        link.drop_heartbeat = self._dropped  # its heartbeat answers obey the fault hook too
         old = self._links.get(peer)
         if old is not None:
             old.drop(replacing)

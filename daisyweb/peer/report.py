@@ -18,11 +18,19 @@ import numpy as np
 
 from daisyweb.checkpoints.checkpoint import CheckpointError, TokenizerInfo, save_checkpoint
 from daisyweb.peer.exchange import RecordingEncoder, Trainer, mode
+from daisyweb.peer.machine import machine_info
 from daisyweb.peer.options import PeerOptions, log
 from daisyweb.protocol import sync
 from daisyweb.training.evaluate import heldout_batches, heldout_loss
-from daisyweb.training.metrics import MetricsWriter, Progress, kernel_line, kernel_report
+from daisyweb.training.metrics import (
+    MetricsWriter,
+    Progress,
+    kernel_backend,
+    kernel_line,
+    kernel_report,
+)
 from daisyweb.training.state import TrainState
+from signaling.protocol import MAX_ETA_S, MAX_LINKS, MAX_RTT_MS
 
 __all__ = ["Report", "StatusSink", "peak_rss_bytes"]
 
@@ -60,6 +68,9 @@ class Report:
         # The last held-out loss and its step, sent with every status (reports coalesce).
         self.last_heldout: tuple[float, int] | None = None
         self._eval_batches: list[np.ndarray] | None = None
+        # The pool view (issue 15): this machine, sent with every report.
+        self.machine = machine_info()
+        self.last_pool: dict[str, Any] = {}
         self.step_t0: dict[int, float] = {}
         self.compute_s: dict[int, float] = {}
         self.grad_ready: dict[int, float] = {}
@@ -136,6 +147,7 @@ class Report:
         if heldout is not None:
             note += f"  held-out {heldout[0]:.3f}"
         tokens_per_s = self.progress.update(done, loss, tokens, note=note)
+        pool = self._pool_fields(c, state, tokens / max(len(c.roster), 1), compute_s, status)
         record = {
             "step": done, "loss": loss, "weight_hash": c.weight_hash,
             "probe_hash": c.probe_hash, "roster": list(c.roster),
@@ -144,6 +156,7 @@ class Report:
             "mode": mode(run), "sync_every": run.sync_every, "codec": run.codec,
             "round": c.step + 1, "bytes_sent": encoder.bytes_sent, "head_steps": head_steps,
             "transport": self.opts.transport,
+            "share": pool["share"], "peer_tokens_per_s": pool["peer_tokens_per_s"],
         }
         if heldout is not None:
             record["heldout_loss"], record["eval_s"] = heldout
@@ -171,7 +184,7 @@ class Report:
                 step=done, loss=self.last_loss,
                 hash=c.weight_hash[:16], peers=len(c.roster),
                 tokens_per_s=float(tokens_per_s), probe=c.probe_hash[:16], state="training",
-                mode=mode(run), round=c.step + 1, **self._transport(),
+                mode=mode(run), round=c.step + 1, **self._transport(), **pool,
                 comm_share=min(max(comm_share, 0.0), 1.0),  # the server refuses outside 0..1
                 # Every report, not just the evaluated one: the client coalesces reports
                 # (the latest wins), which would otherwise drop it in a fast run.
@@ -184,6 +197,27 @@ class Report:
         in-process test mesh leaves "auto", which the server would refuse)."""
         t = self.opts.transport
         return {"transport": t} if t in ("aiortc", "libwebrtc") else {}
+
+    def _pool_fields(self, c: sync.Commit, state: TrainState, own_tokens: float,
+                     compute_s: float, status: StatusSink) -> dict[str, Any]:
+        """The pool view's fields of one commit: machine and kernel backend, this peer's
+        share of the batch and its own speed, the ETA, and its links' round-trip times."""
+        assert self.progress is not None
+        share = 1.0 / len(c.roster) if c.roster else 0.0  # equal shares of the batch
+        pool: dict[str, Any] = {
+            **self.machine, "backend": kernel_backend(), "share": share,
+            "peer_tokens_per_s": own_tokens / compute_s if compute_s > 0 else 0.0,
+            "total_steps": state.run.steps,
+        }
+        eta = self.progress.eta_s(self.progress.last_step)
+        if math.isfinite(eta):
+            pool["eta_s"] = min(max(eta, 0.0), MAX_ETA_S)
+        self.last_pool = {k: v for k, v in pool.items() if k != "eta_s"}
+        rtts = getattr(status, "link_rtts", None)  # a test sink may have no links
+        if rtts is not None:
+            pool["links"] = {p: (None if r is None else round(min(r * 1000.0, MAX_RTT_MS), 3))
+                             for p, r in list(rtts().items())[:MAX_LINKS]}
+        return pool
 
     def _maybe_evaluate(self, state: TrainState, done: int) -> tuple[float, float] | None:
         """Held-out loss and its seconds when ``--eval-every`` says so (else None).
@@ -228,7 +262,8 @@ class Report:
             await status.report_status(
                 step=state.step, loss=self.last_loss, hash=end["weight_hash"][:16],
                 peers=self.last_peers, state="done" if code == 0 else "halted",
-                mode=mode(state.run), **self._transport(), **self.last_extra)
+                mode=mode(state.run), **self._transport(), **self.last_pool,
+                **self.last_extra)
         if code == 0:
             log(f"done at step {state.step}, weight hash {end['weight_hash'][:16]}"
                 + (f", saved {saved}" if saved else ""))

@@ -45,8 +45,9 @@ __all__ = [
     "decode",
 ]
 
-PROTOCOL_VERSION = 4  # 2: Config carries sync_every, codec, outer_lr; 3: Following;
-# 4: Config carries overlap
+# 2: Config carries sync_every, codec, outer_lr; 3: Following; 4: Config carries overlap;
+# 5: Heartbeat.echo
+PROTOCOL_VERSION = 5
 
 # Limits. Generous for the project's models, small enough that a hostile peer
 # cannot make us allocate without bound.
@@ -358,10 +359,15 @@ class RepairRequest(_Msg):
 
 @dataclass(frozen=True)
 class Heartbeat(_Msg):
+    """Liveness on a link, once a second. ``echo`` 0 is a beat, which the receiver
+    answers at once with ``echo`` = the beat's ``t``; the beat's sender then has the
+    link's round-trip time on its own clock (``net.link.Link.rtt``)."""
+
     t: float
+    echo: float = 0.0
 
     type: ClassVar[str] = "heartbeat"
-    _checks: ClassVar[dict[str, Checker]] = {"t": _float(0.0, 1e12)}
+    _checks: ClassVar[dict[str, Checker]] = {"t": _float(0.0, 1e12), "echo": _float(0.0, 1e12)}
 
 
 @dataclass(frozen=True)

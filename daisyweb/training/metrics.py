@@ -58,16 +58,21 @@ class Progress:
     _start_step: int | None = field(init=False, default=None)
     _last_print: float = field(init=False, default=-math.inf)
     _tokens: int = field(init=False, default=0)
+    last_step: int = field(init=False, default=0)  # the newest step update() was given
 
     def start(self, step: int) -> None:
         """Mark the clock before the first step (``step`` = steps already committed)."""
         self._start, self._start_step, self._tokens = self.clock(), step, 0
 
-    def line(self, step: int, loss: float, tokens_per_s: float, note: str = "") -> str:
+    def eta_s(self, step: int) -> float:
+        """Seconds left at the rate since start (inf before the first step is done)."""
         now = self.clock()
         done = step - (self._start_step or 0)
         rate = done / (now - self._start) if now > self._start and done > 0 else 0.0
-        eta = (self.total_steps - step) / rate if rate > 0 else math.inf
+        return (self.total_steps - step) / rate if rate > 0 else math.inf
+
+    def line(self, step: int, loss: float, tokens_per_s: float, note: str = "") -> str:
+        eta = self.eta_s(step)
         return (f"step {step}/{self.total_steps}  loss {loss:.4f}  "
                 f"{tokens_per_s:,.0f} tok/s  eta {_duration(eta)}"
                 + (f"  {note}" if note else ""))
@@ -78,6 +83,7 @@ class Progress:
         now = self.clock()
         if self._start_step is None:
             self._start, self._start_step = now, step - 1
+        self.last_step = step
         self._tokens += tokens
         elapsed = now - self._start
         tokens_per_s = self._tokens / elapsed if elapsed > 0 else 0.0
@@ -86,6 +92,11 @@ class Progress:
             self._last_print = now
             print(self.line(step, loss, tokens_per_s, note), file=self.stream, flush=True)
         return tokens_per_s
+
+
+def kernel_backend() -> str:
+    """The kernel backend the GEMMs run on now (the dashboard's pool view)."""
+    return kernels.active_backend()
 
 
 def kernel_report() -> dict[str, Any]:

@@ -118,3 +118,46 @@ async def test_reports_name_the_transport_once_resolved(tmp_path: Path) -> None:
         report.close()
     assert json.loads((tmp_path / "m.jsonl").read_text().splitlines()[0])["transport"] == (
         "libwebrtc")  # the metrics record too
+
+
+class LinkedSink(Sink):
+    """A mesh with three links: measured, not yet measured, and absurdly slow."""
+
+    def link_rtts(self) -> dict[str, float | None]:
+        return {"0b": 0.0123, "0c": None, "0d": 1e6}
+
+
+async def test_reports_carry_the_pool_fields(tmp_path: Path) -> None:
+    from daisyweb.peer.machine import machine_info
+
+    state = _state(sync_every=32)
+    report = _report(tmp_path)
+    report.begin(state)
+    sink = LinkedSink()
+    report.computing(0)
+    report.gradient_ready(0, 0.5, time.monotonic())
+    await _commit(report, state, 0, 32, sink)
+    (msg,) = sink.decoded
+    mine = machine_info()
+    assert mine["cores"] >= 1 and mine["ram_mb"] >= 1 and mine["cpu"]
+    assert {k: msg[k] for k in mine} == mine
+    assert msg["backend"] in ("blas", "blas64", "mirror", "lut")
+    assert msg["share"] == 0.5  # two peers in the roster, equal shares
+    # own tokens: batch 2 x seq 16 x 32 inner steps, computed in 0.5 s
+    assert msg["peer_tokens_per_s"] == 2 * 16 * 32 / 0.5
+    assert msg["total_steps"] == 64 and msg["eta_s"] >= 0
+    assert msg["links"] == {"0b": 12.3, "0c": None, "0d": protocol.MAX_RTT_MS}
+    await report.finish((0, "done"), state, "ef" * 32, sink)
+    end = sink.decoded[-1]
+    assert end["cpu"] == mine["cpu"] and end["share"] == 0.5 and "links" not in end
+    report.close()
+
+
+def test_machine_info_reads_the_cpu_model_and_cleans_it(tmp_path: Path) -> None:
+    from daisyweb.peer.machine import machine_info
+
+    info = tmp_path / "cpuinfo"
+    info.write_text("processor\t: 0\nmodel name\t: Old \x1b[31mBox\u202e CPU @ 1.2GHz\n")
+    assert machine_info(info)["cpu"] == "Old Box CPU @ 1.2GHz"
+    info.write_text("processor\t: 0\nmodel name\t: " + "x" * 500 + "\n")
+    assert len(machine_info(info)["cpu"]) == protocol.MAX_CPU_CHARS

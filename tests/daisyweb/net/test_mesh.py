@@ -532,3 +532,46 @@ async def test_limit_messages_bounds_every_link(srv):
     assert isinstance(e, BadMessage) and "over limit 100000" in e.error
     b.limit_messages(10**12, 250_000)  # never above the mesh's own cap
     assert b._max_message_bytes == 100_000
+
+
+# ------------------------------------------------------------- round-trip times
+# From answered heartbeats (wire.Heartbeat.echo): what the dashboard's link matrix shows.
+
+
+async def _rtt_of(m, peer: str, timeout: float = 5.0) -> float:
+    end = time.monotonic() + timeout
+    while (rtt := m.link_rtts().get(peer)) is None:
+        assert time.monotonic() < end, m.link_rtts()
+        await asyncio.sleep(0.05)
+    return rtt
+
+
+async def test_both_ends_of_a_link_measure_its_round_trip(srv) -> None:
+    a, b = await connected_pair(srv, **FAST_HB)
+    ra, rb = await _rtt_of(a, b.self_id), await _rtt_of(b, a.self_id)
+    # loopback: well under a heartbeat interval, never negative
+    assert 0.0 <= ra < 0.5 and 0.0 <= rb < 0.5, (ra, rb)
+    assert set(a.link_rtts()) == {b.self_id}
+
+
+async def test_a_silenced_peer_answers_no_heartbeat(srv) -> None:
+    a, b = await connected_pair(srv, **FAST_HB)
+    await _rtt_of(b, a.self_id)
+    # a drops every heartbeat it would send, answers included: b sees no fresh RTT
+    a.drop_outgoing = lambda peer, msg: isinstance(msg, wire.Heartbeat)
+    await asyncio.sleep(0.3)
+    link = b._links[a.self_id]
+    link.rtt = None
+    await asyncio.sleep(0.35)  # several of b's beats went unanswered (timeout is 0.8 s)
+    assert link.rtt is None
+
+
+def test_answers_out_of_range_are_no_sample() -> None:
+    link = linkmod.Link.__new__(linkmod.Link)  # only the heartbeat bookkeeping, no connection
+    link.rtt, link.drop_heartbeat, link.peer = None, None, "p"
+    link._heartbeat(wire.Heartbeat(t=1.0, echo=time.time() - 0.02))
+    sample = link.rtt
+    assert sample is not None and 0.0 <= sample < 1.0
+    link._heartbeat(wire.Heartbeat(t=1.0, echo=time.time() + 100))  # from the future
+    link._heartbeat(wire.Heartbeat(t=1.0, echo=time.time() - 2 * linkmod.MAX_RTT_S))  # too old
+    assert link.rtt == sample

@@ -54,6 +54,7 @@ SAMPLES = [
     StepHashes(5, "b", H, "cd" * 8),
     RepairRequest(5, "c"),
     Heartbeat(12.5),
+    Heartbeat(12.5, 11.75),  # an answer to a beat
     Halt(9, "peer c diverged"),
     Following("peer-a"),
 ]
