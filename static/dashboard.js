@@ -371,6 +371,7 @@ function drawGroup(info) {
   }
 
   drawChart(info, colorOf);
+  drawPool(info, colorOf, names);
   const legend = $("legend");
   legend.replaceChildren();
   for (const id of Object.keys(info.history)) {
