@@ -1,7 +1,8 @@
 """``daisyweb-peer``: one peer of a training group.
 
     daisyweb-peer --server URL [--room CODE] [--name NAME] [--approve ask|auto]
-        [--start --width W --layers L --heads H --seq S --batch B --steps N --lr LR --seed X]
+        [--start --width W --layers L --heads H --seq S --batch B --steps N --lr LR --seed X
+         --capacity on|off]
         [--resume FILE.pt] [--save FILE.pt] [--save-every K] [--metrics FILE.jsonl]
         [--join-timeout SECONDS] [--stun URL ...] [--ice-host ADDR ...]
         [--turn URL --turn-user NAME --turn-credential SECRET [--relay]]
@@ -113,6 +114,10 @@ def build_parser() -> argparse.ArgumentParser:
                        help=f"leader: default {DEFAULTS[flag]}")
     p.add_argument("--codec", choices=CODEC_NAMES, default=None,
                    help=f"leader: what members exchange (default {DEFAULTS['codec']})")
+    p.add_argument("--capacity", choices=("on", "off"), default=None,
+                   help="leader: give faster members a bigger share of each step's (or "
+                        "round's) sequences, by their measured speed (default on); off: "
+                        "equal shares")
     p.add_argument("--resume", default=None, metavar="FILE.pt", help="leader: resume a run")
     p.add_argument("--save", default=None, metavar="FILE.pt", help="checkpoint file (atomic)")
     p.add_argument("--eval-every", type=_non_negative_int, default=0, metavar="K",
@@ -163,6 +168,8 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
             parser.error("--resume needs --start (the leader broadcasts the checkpoint)")
         if args.wait_peers != 1:
             parser.error("--wait-peers needs --start")
+        if args.capacity is not None:
+            parser.error("--capacity needs --start (the leader sets the shares)")
     if args.save_every and not args.save:
         parser.error("--save-every needs --save")
     check_ice_flags(parser, args)

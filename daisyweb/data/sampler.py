@@ -69,21 +69,25 @@ class BatchSampler:
         view.setflags(write=False)
         return view
 
-    def offsets(self, step: int) -> np.ndarray:
-        """Start offsets (int64 [batch]) of the windows drawn at ``step``."""
+    def offsets(self, step: int, rows: int | None = None) -> np.ndarray:
+        """Start offsets (int64 [rows], default [batch]) of the windows drawn at ``step``;
+        row ``r`` is the same window whatever the number of rows."""
         if not isinstance(step, (int, np.integer)) or isinstance(step, bool) or step < 0:
             raise ValueError(f"step must be a non-negative integer, got {step!r}")
         span = self._tokens.size - self.seq  # valid starts: 0 .. size - seq - 1
         # counter = (step, row): two mixing rounds so nearby steps are unrelated
         base = _mix(np.array([(int(step) * 0x9E3779B97F4A7C15) & _M64], dtype=np.uint64)
                     ^ self._key)
-        rows = np.arange(self.batch, dtype=np.uint64)
-        h = _mix(base ^ (rows * np.uint64(0xD1B54A32D192ED03) + np.uint64(1)))
+        n = self.batch if rows is None else int(rows)
+        if n < 1:
+            raise ValueError(f"rows must be at least 1, got {rows!r}")
+        index = np.arange(n, dtype=np.uint64)
+        h = _mix(base ^ (index * np.uint64(0xD1B54A32D192ED03) + np.uint64(1)))
         # integer remainder: exact on every machine; its bias (span / 2**64) is negligible
         return (h % np.uint64(span)).astype(np.int64)
 
-    def sample(self, step: int) -> np.ndarray:
-        offs = self.offsets(step)
+    def sample(self, step: int, rows: int | None = None) -> np.ndarray:
+        offs = self.offsets(step, rows)
         idx = offs[:, None] + np.arange(self.seq + 1, dtype=np.int64)[None, :]
         return self._tokens[idx]
 

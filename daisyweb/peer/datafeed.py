@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 from collections import deque
+from collections.abc import Callable
 
 import aiohttp
 import numpy as np
@@ -68,10 +69,16 @@ class DataFeed:
                         log(f"/data: {arr.size:,} tokens ({source})")
                 await asyncio.sleep(DATA_EVERY_S)
 
-    def batch(self, step: int) -> np.ndarray:
-        """The tokens of inner step ``step`` (0-based): ``[batch, seq + 1]``."""
+    def batch(self, step: int, rows: int | None = None) -> np.ndarray:
+        """The tokens of inner step ``step`` (0-based): ``[batch, seq + 1]``, or
+        ``[rows, seq + 1]`` for a capacity-weighted share (the first ``batch`` rows are
+        the same either way)."""
         # Called by the one compute in flight (in its worker thread) and nowhere else, so
         # the sampler is never used from two threads at once; the deque is thread-safe.
         while self.pending_tokens:
             self.sampler.extend(self.pending_tokens.popleft())
-        return self.sampler.sample(step + 1)
+        return self.sampler.sample(step + 1, rows)
+
+    def rows(self, n: int) -> Callable[[int], np.ndarray]:
+        """The batch function of a share of ``n`` sequences per inner step."""
+        return lambda step: self.batch(step, n)

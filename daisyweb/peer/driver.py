@@ -50,7 +50,7 @@ from daisyweb.peer.items import (
 from daisyweb.peer.options import PeerError, PeerOptions, log, mesh_transport_options
 from daisyweb.peer.report import Report
 from daisyweb.protocol import budget, sync, wire
-from daisyweb.training.rounds import Contribution, HeadStart, RoundTrainer
+from daisyweb.training.rounds import BatchFn, Contribution, HeadStart, RoundTrainer
 from daisyweb.training.state import TrainState, probe_hash
 
 __all__ = ["TICK_S", "Driver", "MeshFactory"]
@@ -67,6 +67,7 @@ class PendingHead:
 
     index: int
     future: asyncio.Future[HeadStart | None]
+    rows: int  # sequences per inner step it drew (capacity-weighted batches)
 
 
 class Driver:
@@ -97,6 +98,7 @@ class Driver:
         self.tasks: list[asyncio.Task[None]] = []
         self.head: PendingHead | None = None  # at most one, and never beside a compute
         self.corpus: asyncio.Future[object]  # the built-in corpus being encoded (main)
+        self.rows = 0  # sequences per inner step of our last contribution (set by _compute)
         self.result: tuple[int, str] | None = None
 
     # ------------------------------------------------------------------ setup
@@ -202,7 +204,10 @@ class Driver:
         self.machine = sync.StepMachine(
             self.mesh.self_id, self.replica, machine_steps(self.state.run), probe_hash,
             leader=leader, repair_after=self.opts.repair_after,
-            join_timeout=self.opts.join_timeout, version=self.version, codec=self.encoder)
+            join_timeout=self.opts.join_timeout, version=self.version, codec=self.encoder,
+            # Capacity-weighted batches are the leader's choice; a follower learns the
+            # mode from the rosters it is sent.
+            capacity=self.opts.start and self.opts.capacity, batch=self.state.run.batch)
         self.faults.machine = self.machine
         return self.machine
 
@@ -320,6 +325,8 @@ class Driver:
                               now: float) -> None:
         step, contribution = item.step, item.contribution
         self.report.gradient_ready(step, item.secs, now, contribution.head_steps)
+        if item.secs > 0 and item.sequences:
+            m.speed = item.sequences / item.secs  # published with our next hashes
         self.trainer.stage(contribution)
         self.encoder.last_payload = b""
         current = not m.done and step == m.boundary
@@ -345,15 +352,20 @@ class Driver:
         def finished(_: object) -> None:
             self.report.head_finished(index, time.perf_counter() - t0, time.monotonic())
 
+        # Drawn with this round's share: the next roster most likely names the same one
+        # (speeds change slowly); if not, the head start is dropped (_take_head).
+        rows = self.rows or self.feed.run.batch
         future = asyncio.get_running_loop().run_in_executor(
-            None, trainer.head_start, index, self.feed.batch, previous, overlap)
+            None, trainer.head_start, index, self._batch_fn(rows), previous, overlap)
         future.add_done_callback(finished)
         self.report.head_started(index)
-        self.head = PendingHead(index, future)
+        self.head = PendingHead(index, future, rows)
 
-    async def _take_head(self, step: int) -> HeadStart | None:
-        """The head start of round ``step`` if one was computed; any other one in flight
-        is waited for (one computation at a time uses the sampler) and dropped."""
+    async def _take_head(self, step: int, rows: int) -> HeadStart | None:
+        """The head start of round ``step`` if one was computed over ``rows`` sequences a
+        step (a head start over another share would be weighted wrongly); any other one
+        in flight is waited for (one computation at a time uses the sampler) and
+        dropped."""
         pending, self.head = self.head, None
         if pending is None:
             return None
@@ -363,7 +375,7 @@ class Driver:
             log(f"head start of round {pending.index} failed ({type(exc).__name__}); "
                 f"computing the round whole")
             return None
-        return head if pending.index == step else None
+        return head if pending.index == step and pending.rows == rows else None
 
     async def _mesh_event(self, m: sync.StepMachine, item: MeshItem, now: float) -> None:
         ev = item.event
@@ -402,7 +414,7 @@ class Driver:
                 self._send(a.to, a.message)
             elif isinstance(a, sync.Compute):
                 self.report.computing(a.step)
-                self.tasks.append(asyncio.create_task(self._compute(a.step)))
+                self.tasks.append(asyncio.create_task(self._compute(a.step, a.sequences)))
             elif isinstance(a, sync.Commit):
                 assert self.state is not None and self.machine is not None
                 await self.report.commit(a, self.trainer, self.state, self.encoder,
@@ -418,25 +430,35 @@ class Driver:
                 self.result = (1, a.reason)
         self.tasks = [t for t in self.tasks if not t.done()]
 
-    async def _compute(self, step: int) -> None:
+    async def _compute(self, step: int, sequences: int = 0) -> None:
         if self.faults.step_delay:
             await asyncio.sleep(self.faults.step_delay)
         loop = asyncio.get_running_loop()
-        head = await self._take_head(step)
+        n = sequences or self.feed.run.batch  # our share of each inner step's sequences
+        self.rows = n  # a head start of the next round draws as many (--overlap)
+        head = await self._take_head(step, n)
         t0 = time.perf_counter()
         compute = self.trainer.contribute
         if head is not None:
             compute = functools.partial(self.trainer.contribute, head=head)
         try:
             contribute = self.faults.contribution(step, compute)
-            contribution = await loop.run_in_executor(None, contribute, step, self.feed.batch)
+            contribution = await loop.run_in_executor(None, contribute, step,
+                                                      self._batch_fn(n))
         except Exception as exc:
             # Any failure here (a kernel refusing a NaN activation, a bug) must halt the
             # group: a peer that silently never sends its gradient stalls everyone.
             await self.queue.put(GradientFailed(step, exc))
             return
         secs = time.perf_counter() - t0 + self.report.head_secs(step if head else None)
-        await self.queue.put(GradientReady(step, contribution, secs))
+        secs += await self.faults.slow_down(secs)
+        # Sequences per second of this contribution: the leader's next shares use it.
+        await self.queue.put(GradientReady(step, contribution, secs,
+                                           n * self.trainer.steps_in(step)))
+
+    def _batch_fn(self, rows: int) -> BatchFn:
+        """The batches of a share of ``rows`` sequences per inner step."""
+        return self.feed.batch if rows == self.feed.run.batch else self.feed.rows(rows)
 
     def _send_snapshot(self, peer: str, step: int) -> None:
         assert self.state is not None

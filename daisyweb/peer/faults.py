@@ -12,7 +12,9 @@ as a kernel refusing a non-finite activation would),
 ``DAISYWEB_TEST_CORRUPT_SNAPSHOT=byte|hash`` (the leader flips one byte of every snapshot
 payload it sends, or announces a wrong weight hash with it),
 ``DAISYWEB_TEST_PROTOCOL_VERSION=N`` (this peer speaks protocol version N instead of
-``wire.PROTOCOL_VERSION``: it announces N in its Hello and refuses peers that do not).
+``wire.PROTOCOL_VERSION``: it announces N in its Hello and refuses peers that do not),
+``DAISYWEB_TEST_SLOW_FACTOR=F`` (each contribution takes F times its compute time, as on
+a machine F times slower: the capacity-weighted batches test).
 
 The driver sees only :class:`Faults` (and :class:`Replica`, which calls
 :meth:`Faults.after_apply`); with no switch set every hook is the identity.
@@ -20,6 +22,7 @@ The driver sees only :class:`Faults` (and :class:`Replica`, which calls
 
 from __future__ import annotations
 
+import asyncio
 import os
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -54,6 +57,7 @@ class TestHooks:
     gradient_raises: int | None = None
     corrupt_snapshot: str | None = None  # "byte" or "hash"
     protocol_version: int | None = None  # announce this instead of wire.PROTOCOL_VERSION
+    slow_factor: float = 1.0  # contributions take this many times their compute time
 
     @classmethod
     def from_env(cls, env: dict[str, str] | None = None) -> TestHooks:
@@ -81,6 +85,15 @@ class TestHooks:
                 raise PeerError(2, f"DAISYWEB_TEST_PROTOCOL_VERSION must be a version "
                                    f"number, got {v!r}")
             version = int(v)
+        slow = 1.0
+        if env.get("DAISYWEB_TEST_SLOW_FACTOR"):
+            try:
+                slow = float(env["DAISYWEB_TEST_SLOW_FACTOR"])
+            except ValueError:
+                slow = 0.0
+            if not 1.0 <= slow <= 100.0:
+                raise PeerError(2, "DAISYWEB_TEST_SLOW_FACTOR must be a number in 1..100, "
+                                   f"got {env['DAISYWEB_TEST_SLOW_FACTOR']!r}")
         snap = env.get("DAISYWEB_TEST_CORRUPT_SNAPSHOT") or None
         if snap not in (None, "byte", "hash"):
             raise PeerError(2, "DAISYWEB_TEST_CORRUPT_SNAPSHOT must be byte|hash")
@@ -94,6 +107,7 @@ class TestHooks:
             gradient_raises=step_of("DAISYWEB_TEST_GRADIENT_RAISES"),
             corrupt_snapshot=snap,
             protocol_version=version,
+            slow_factor=slow,
         )
 
 
@@ -143,6 +157,14 @@ class Faults:
     def step_delay(self) -> float:
         """Seconds to sleep before each gradient computation."""
         return self.hooks.step_delay
+
+    async def slow_down(self, compute_s: float) -> float:
+        """DAISYWEB_TEST_SLOW_FACTOR: wait so the contribution took F times as long;
+        returns the seconds waited."""
+        extra = (self.hooks.slow_factor - 1.0) * compute_s
+        if extra > 0:
+            await asyncio.sleep(extra)
+        return max(extra, 0.0)
 
     @property
     def dumps(self) -> bool:

@@ -19,6 +19,7 @@ class GradientReady:
     step: int
     contribution: Contribution
     secs: float
+    sequences: int = 0  # sequences it computed over, all its inner steps together
 
 
 @dataclass(frozen=True)

@@ -147,7 +147,8 @@ class Report:
         if heldout is not None:
             note += f"  held-out {heldout[0]:.3f}"
         tokens_per_s = self.progress.update(done, loss, tokens, note=note)
-        pool = self._pool_fields(c, state, tokens / max(len(c.roster), 1), compute_s, status)
+        share = _own_share(c, getattr(status, "self_id", None))
+        pool = self._pool_fields(c, state, share * tokens, compute_s, status, share)
         record = {
             "step": done, "loss": loss, "weight_hash": c.weight_hash,
             "probe_hash": c.probe_hash, "roster": list(c.roster),
@@ -158,6 +159,8 @@ class Report:
             "transport": self.opts.transport,
             "share": pool["share"], "peer_tokens_per_s": pool["peer_tokens_per_s"],
         }
+        if c.shares:  # capacity-weighted: sequences per roster member, in roster order
+            record["shares"] = list(c.shares)
         if heldout is not None:
             record["heldout_loss"], record["eval_s"] = heldout
             if 0.0 <= heldout[0] < math.inf:
@@ -199,11 +202,10 @@ class Report:
         return {"transport": t} if t in ("aiortc", "libwebrtc") else {}
 
     def _pool_fields(self, c: sync.Commit, state: TrainState, own_tokens: float,
-                     compute_s: float, status: StatusSink) -> dict[str, Any]:
+                     compute_s: float, status: StatusSink, share: float) -> dict[str, Any]:
         """The pool view's fields of one commit: machine and kernel backend, this peer's
         share of the batch and its own speed, the ETA, and its links' round-trip times."""
         assert self.progress is not None
-        share = 1.0 / len(c.roster) if c.roster else 0.0  # equal shares of the batch
         pool: dict[str, Any] = {
             **self.machine, "backend": kernel_backend(), "share": share,
             "peer_tokens_per_s": own_tokens / compute_s if compute_s > 0 else 0.0,
@@ -279,3 +281,12 @@ class Report:
 
     def close(self) -> None:
         self.metrics.close()
+
+
+def _own_share(c: sync.Commit, self_id: str | None) -> float:
+    """This peer's fraction of the commit's sequences (equal shares without weights)."""
+    if not c.roster:
+        return 0.0
+    if c.shares and self_id in c.roster:
+        return c.shares[c.roster.index(self_id)] / sum(c.shares)
+    return 1.0 / len(c.roster)

@@ -55,9 +55,13 @@ class Send:
 
 @dataclass(frozen=True)
 class Compute:
-    """Compute the local gradient for ``step``; answer with ``local_gradient``."""
+    """Compute the local gradient for ``step``; answer with ``local_gradient``.
+
+    ``sequences`` is this member's share of the step's sequences (0: the run's batch).
+    """
 
     step: int
+    sequences: int = 0
 
 
 @dataclass(frozen=True)
@@ -74,6 +78,7 @@ class Commit:
     weight_hash: str
     probe_hash: str
     rollback: bool = False
+    shares: tuple[int, ...] = ()  # sequences per roster member (empty: equal batches)
 
 
 @dataclass(frozen=True)

@@ -12,7 +12,8 @@ from collections.abc import Sequence
 
 import numpy as np
 
-__all__ = ["GradientError", "check_gradient", "average_in_roster_order"]
+__all__ = ["GradientError", "check_gradient", "average_in_roster_order",
+           "weighted_average_in_roster_order"]
 
 _F32 = np.dtype(np.float32)
 
@@ -49,4 +50,34 @@ def average_in_roster_order(grads: Sequence[np.ndarray]) -> np.ndarray:
         np.add(total, g, out=total)
     if len(grads) > 1:
         np.multiply(total, np.float32(1.0 / len(grads)), out=total)
+    return total
+
+
+def weighted_average_in_roster_order(grads: Sequence[np.ndarray],
+                                     shares: Sequence[int]) -> np.ndarray:
+    """The full-batch mean of contributions over ``shares[i]`` sequences each.
+
+    Member i's contribution is the mean over its ``n_i`` sequences, so the mean over all
+    ``T = sum(n_i)`` of them is ``sum(n_i * g_i) / T``: here
+    ``f32(1/T) * (((f32(n_0) g_0 + f32(n_1) g_1) + f32(n_2) g_2) + ...)``, every operation
+    elementwise float32 in roster order. Equal shares are the plain mean, computed as
+    :func:`average_in_roster_order` does (bit for bit what capacity off computes).
+    """
+    if len(shares) != len(grads):
+        raise GradientError(f"{len(shares)} shares for {len(grads)} contributions")
+    if any(isinstance(n, bool) or not isinstance(n, (int, np.integer)) or n < 1
+           for n in shares):
+        raise GradientError("shares must be positive integers")
+    if len(set(int(n) for n in shares)) <= 1:
+        return average_in_roster_order(grads)
+    size = grads[0].shape
+    for g in grads:
+        if not isinstance(g, np.ndarray) or g.dtype != _F32 or g.shape != size:
+            raise GradientError("all gradients must be float32 arrays of the same shape")
+    total = np.multiply(grads[0], np.float32(shares[0]), dtype=np.float32)
+    scaled = np.empty_like(total)
+    for g, n in zip(grads[1:], shares[1:], strict=True):
+        np.multiply(g, np.float32(n), out=scaled)
+        np.add(total, scaled, out=total)
+    np.multiply(total, np.float32(1.0 / sum(int(n) for n in shares)), out=total)
     return total

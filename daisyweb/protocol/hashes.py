@@ -29,9 +29,14 @@ class HashBook:
         # boundary -> peer -> (weight hash, probe hash, roster hash), latest message wins
         self.seen: dict[int, dict[str, tuple[str, str, str]]] = {}
         self.own: dict[int, Hashes] = {}
+        # boundary -> peer -> sequences per second it reported (capacity-weighted batches)
+        self.speeds: dict[int, dict[str, float]] = {}
 
-    def record(self, b: int, peer: str, weight: str, probe: str, roster_hash: str) -> None:
+    def record(self, b: int, peer: str, weight: str, probe: str, roster_hash: str,
+               speed: float = 0.0) -> None:
         self.seen.setdefault(b, {})[peer] = (weight, probe, roster_hash)
+        if speed > 0.0:
+            self.speeds.setdefault(b, {})[peer] = speed
 
     def publish_own(self, b: int, self_id: str, hashes: Hashes, roster_hash: str) -> None:
         """Our hashes at boundary ``b``; older boundaries than ``b - 1`` are forgotten."""
@@ -41,6 +46,8 @@ class HashBook:
             del self.own[old]
         for old in [k for k in self.seen if k < b - 1]:
             del self.seen[old]
+        for old in [k for k in self.speeds if k < b - 1]:
+            del self.speeds[old]
 
     def peers_at(self, b: int) -> list[str]:
         return list(self.seen.get(b, {}))
@@ -69,6 +76,7 @@ class HashDuties:
     members: Membership
     _hashes: HashBook
     _ledger: StepLedger
+    speed: float  # sequences per second of our last contribution (0: none yet)
 
     if TYPE_CHECKING:  # provided by StepMachine
         boundary: int
@@ -80,7 +88,10 @@ class HashDuties:
         rh = self._ledger.digest_before(b)
         hashes = (self.replica.weight_hash(), self.probe())
         self._hashes.publish_own(b, self.self_id, hashes, rh)
-        out.append(Send(None, wire.StepHashes(b, self.self_id, *hashes, rh)))
+        speed = min(max(self.speed, 0.0), wire.MAX_SPEED)
+        if speed > 0.0:
+            self._hashes.speeds.setdefault(b, {})[self.self_id] = speed
+        out.append(Send(None, wire.StepHashes(b, self.self_id, *hashes, rh, speed)))
         for peer in self._hashes.peers_at(b):
             self._check_fork(out, b, peer)
 
@@ -95,7 +106,8 @@ class HashDuties:
         b = msg.step
         if b < self.boundary - 1 or b > self.boundary + 1:
             return
-        self._hashes.record(b, peer, msg.weight_hash, msg.probe_hash, msg.roster_hash)
+        self._hashes.record(b, peer, msg.weight_hash, msg.probe_hash, msg.roster_hash,
+                            msg.speed)
         self._check_fork(out, b, peer)
 
     def _check_fork(self, out: list[Action], b: int, peer: str) -> None:

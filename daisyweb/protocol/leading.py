@@ -37,9 +37,13 @@ from typing import TYPE_CHECKING
 
 from daisyweb.protocol import wire
 from daisyweb.protocol.actions import Action, Excluded, Send, SendSnapshot
+from daisyweb.protocol.capacity import capacity_shares
 from daisyweb.protocol.judge import HaltRun, judge
 from daisyweb.protocol.ledger import InFlight, StepLedger
 from daisyweb.protocol.membership import Membership
+
+if TYPE_CHECKING:
+    from daisyweb.protocol.hashes import HashBook
 
 __all__ = ["LeaderDuties"]
 
@@ -60,7 +64,10 @@ class LeaderDuties:
         is_leader: bool
         _stop: Callable[[list[Action], int, str, bool], None]
         _finish: Callable[[list[Action], int], None]
-        _set_roster: Callable[[list[Action], int, tuple[str, ...], float], None]
+        _set_roster: Callable[..., None]
+        capacity: bool
+        batch: int
+        _hashes: HashBook
         _valid_hashes: Callable[[int], dict[str, tuple[str, str]]]
 
     def _request_repairs(self, out: list[Action], st: InFlight, now: float) -> None:
@@ -104,9 +111,10 @@ class LeaderDuties:
         members = tuple(p for p in st.roster if p != dead)
         if not members:
             return
+        shares = _kept_shares(st, members)
         out.append(Excluded(dead, f"{dead} died before its gradient of step {step} arrived"))
-        out.append(Send(self.members.others(members), wire.Roster(step, members)))
-        self._set_roster(out, step, members, now)
+        out.append(Send(self.members.others(members), wire.Roster(step, members, shares)))
+        self._set_roster(out, step, members, now, shares)
 
     def _lead(self, out: list[Action], b: int, now: float) -> None:
         st = self._ledger.get(b)
@@ -122,8 +130,9 @@ class LeaderDuties:
             # We took over mid-step: re-issue the roster we were working on.
             self._published.add(b)
             members = tuple(p for p in st.roster if self.members.alive(p) or p in st.grads)
-            out.append(Send(self.members.others(members), wire.Roster(b, members)))
-            self._set_roster(out, b, members, now)
+            shares = _kept_shares(st, members)
+            out.append(Send(self.members.others(members), wire.Roster(b, members, shares)))
+            self._set_roster(out, b, members, now, shares)
             self._lead(out, b, now)
             return
         have = self._valid_hashes(b)
@@ -144,8 +153,11 @@ class LeaderDuties:
             return
         members = tuple(self.members.live_participants())
         self._published.add(b)
-        out.append(Send(self.members.others(members), wire.Roster(b, members)))
-        self._set_roster(out, b, members, now)
+        shares: tuple[int, ...] = ()
+        if self.capacity:
+            shares = capacity_shares(members, self._hashes.speeds.get(b, {}), self.batch)
+        out.append(Send(self.members.others(members), wire.Roster(b, members, shares)))
+        self._set_roster(out, b, members, now, shares)
 
     def _judge(
         self,
@@ -167,3 +179,11 @@ class LeaderDuties:
         self.members.exclude(peer)
         out.append(Send((peer,), wire.Halt(b, f"excluded: {reason}")))
         out.append(Excluded(peer, reason))
+
+
+def _kept_shares(st: InFlight, members: tuple[str, ...]) -> tuple[int, ...]:
+    """The shares of ``members`` as the step's roster first named them: contributions
+    already computed over them are never reweighted."""
+    if not st.shares or st.roster is None:
+        return ()
+    return tuple(st.shares[st.roster.index(p)] for p in members)

@@ -20,6 +20,7 @@ class InFlight:
     """Everything known about one step in flight."""
 
     roster: tuple[str, ...] | None = None
+    shares: tuple[int, ...] = ()  # sequences per roster member (empty: equal batches)
     grads: dict[str, bytes] = field(default_factory=dict)  # sender -> payload as received
     unchecked: set[str] = field(default_factory=set)  # arrived before the roster
     own_sent_at: float | None = None
@@ -31,7 +32,9 @@ class StepLedger:
     def __init__(self) -> None:
         self.steps: dict[int, InFlight] = {}
         self.committed: dict[int, tuple[str, ...]] = {}  # step -> roster used
-        self.rosters_seen: dict[tuple[str, int], tuple[str, ...]] = {}  # (from, step)
+        self.committed_shares: dict[int, tuple[int, ...]] = {}  # step -> its shares
+        # (from, step) -> (members, shares)
+        self.rosters_seen: dict[tuple[str, int], tuple[tuple[str, ...], tuple[int, ...]]] = {}
 
     def get(self, step: int) -> InFlight | None:
         return self.steps.get(step)
@@ -47,13 +50,15 @@ class StepLedger:
 
     def digest_before(self, b: int) -> str:
         """``wire.roster_digest`` of the roster that produced boundary ``b``."""
-        return wire.roster_digest(self.committed.get(b - 1))
+        return wire.roster_digest(self.committed.get(b - 1),
+                                  self.committed_shares.get(b - 1, ()))
 
     def forget_before(self, step: int, history: int, keep_grads: bool) -> None:
         """After committing ``step``: keep ``history`` steps of rosters and gradients
         (``keep_grads``: the leader resends them) and the rest only for a rollback."""
         for old in [k for k in self.committed if k < step - history]:
             del self.committed[old]
+            self.committed_shares.pop(old, None)
         for old in [k for k in self.steps if k < step - history + 1]:
             del self.steps[old]
         for key in [k for k in self.rosters_seen if k[1] < step]:

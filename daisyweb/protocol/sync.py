@@ -62,7 +62,11 @@ from daisyweb.protocol.actions import (
     SendSnapshot,
     Stopped,
 )
-from daisyweb.protocol.averaging import GradientError, average_in_roster_order
+from daisyweb.protocol.averaging import (
+    GradientError,
+    average_in_roster_order,
+    weighted_average_in_roster_order,
+)
 from daisyweb.protocol.codec import F32, Codec
 from daisyweb.protocol.hashes import HashBook, HashDuties
 from daisyweb.protocol.leading import LeaderDuties
@@ -117,6 +121,8 @@ class StepMachine(LeaderDuties, HashDuties):
         history: int = HISTORY,
         version: int = wire.PROTOCOL_VERSION,
         codec: Codec = F32,
+        capacity: bool = False,
+        batch: int = 1,
     ) -> None:
         self.self_id = self_id
         self.version = version  # what this peer speaks (a test hook may change it)
@@ -128,6 +134,12 @@ class StepMachine(LeaderDuties, HashDuties):
         self.join_timeout = join_timeout
         self.history = history
         self.codec = codec
+        # Capacity-weighted batches (``capacity``): the leader gives each member a share of
+        # the roster's ``batch * len(roster)`` sequences by its reported speed; a follower
+        # learns the mode from the rosters it is sent (and keeps it if it takes over).
+        self.capacity = capacity
+        self.batch = batch
+        self.speed = 0.0  # the driver's measurement of our last contribution
         self.members = Membership(self_id, members)
         self._end: Phase | None = None  # FINISHED or HALTED: every later event is ignored
         self._ledger = StepLedger()
@@ -208,9 +220,9 @@ class StepMachine(LeaderDuties, HashDuties):
             # boundary: a flood of future rosters must not grow the state.
             b = self.boundary
             if peer in self.members.participants and b - 1 <= msg.step <= b + ROSTER_WINDOW:
-                self._ledger.rosters_seen[(peer, msg.step)] = msg.members
+                self._ledger.rosters_seen[(peer, msg.step)] = (msg.members, msg.shares)
             if peer == self.leader and not self.is_leader:
-                self._on_roster(out, msg.step, msg.members, now)
+                self._on_roster(out, msg.step, msg.members, now, msg.shares)
         elif isinstance(msg, wire.Gradient):
             self._on_gradient(out, peer, msg)
         elif isinstance(msg, wire.RepairRequest):
@@ -255,7 +267,7 @@ class StepMachine(LeaderDuties, HashDuties):
             else:
                 seen = self._ledger.rosters_seen.get((new, self.boundary))
                 if seen is not None:
-                    self._on_roster(out, self.boundary, seen, now)
+                    self._on_roster(out, self.boundary, seen[0], now, seen[1])
         self._progress(out, now)
         return out
 
@@ -316,24 +328,29 @@ class StepMachine(LeaderDuties, HashDuties):
         out.append(Excluded(peer, reason))
 
     def _on_roster(
-        self, out: list[Action], step: int, members: tuple[str, ...], now: float
+        self, out: list[Action], step: int, members: tuple[str, ...], now: float,
+        shares: tuple[int, ...] = (),
     ) -> None:
         b = self.boundary
         self.members.learn(members)
         self._last_roster = members
         self._had_roster = True
-        if step == b - 1 and self._ledger.committed.get(step) not in (None, members):
-            self._rollback(out, step, members, now)
+        self.capacity = bool(shares)  # the leader's mode, kept if we take over
+        committed = self._ledger.committed.get(step)
+        if step == b - 1 and committed is not None and (
+                committed != members or self._ledger.committed_shares.get(step, ()) != shares):
+            self._rollback(out, step, members, now, shares)
             return
         if step != b:
             return
         if self.self_id not in members:
             self._stop(out, b, f"{self.self_id} is not in the roster of step {b}", False)
             return
-        self._set_roster(out, step, members, now)
+        self._set_roster(out, step, members, now, shares)
 
     def _set_roster(
-        self, out: list[Action], step: int, members: tuple[str, ...], now: float
+        self, out: list[Action], step: int, members: tuple[str, ...], now: float,
+        shares: tuple[int, ...] = (),
     ) -> None:
         st = self._ledger.open(step)
         old = st.roster
@@ -344,6 +361,7 @@ class StepMachine(LeaderDuties, HashDuties):
                 return
             st.grads = {p: g for p, g in st.grads.items() if p in members}
         st.roster = members
+        st.shares = shares
         self._last_roster = members
         self._had_roster = True
         # Gradients received before the roster from non-members are dropped now; the
@@ -356,7 +374,8 @@ class StepMachine(LeaderDuties, HashDuties):
         st.unchecked.clear()
         if self.self_id in members and self.self_id not in st.grads and not st.computing:
             st.computing = True
-            out.append(Compute(step))
+            mine = shares[members.index(self.self_id)] if shares else 0
+            out.append(Compute(step, mine))
 
     def _on_gradient(self, out: list[Action], peer: str, msg: wire.Gradient) -> None:
         relayed = msg.sender != peer
@@ -390,7 +409,8 @@ class StepMachine(LeaderDuties, HashDuties):
         self._ledger.open(step).grads[sender] = payload
         return True
 
-    def _rollback(self, out: list[Action], step: int, members: tuple[str, ...], now: float) -> None:
+    def _rollback(self, out: list[Action], step: int, members: tuple[str, ...], now: float,
+                  shares: tuple[int, ...] = ()) -> None:
         restore = getattr(self.replica, "restore", None)
         if self._backup is None or self._backup[0] != step or restore is None:
             self._stop(out, step, f"roster of committed step {step} was amended", True)
@@ -399,10 +419,18 @@ class StepMachine(LeaderDuties, HashDuties):
         if st is None or not set(members) <= set(st.grads):
             self._stop(out, step, f"amended roster of step {step} cannot be rebuilt", True)
             return
+        if shares and st.shares and any(
+                shares[members.index(p)] != st.shares[st.roster.index(p)]
+                for p in members if st.roster is not None and p in st.roster):
+            # Contributions were computed over the shares first named: never reweighted.
+            self._stop(out, step, f"amended roster of step {step} changes shares", True)
+            return
         restore(self._backup[1])
         self._ledger.committed.pop(step, None)
+        self._ledger.committed_shares.pop(step, None)
         self._ledger.steps.pop(step + 1, None)
         st.roster = members
+        st.shares = shares
         st.grads = {p: g for p, g in st.grads.items() if p in members}
         self._try_commit(out, step, rollback=True)
 
@@ -418,12 +446,17 @@ class StepMachine(LeaderDuties, HashDuties):
         backup = getattr(self.replica, "backup", None)
         if backup is not None:
             self._backup = (step, backup())
-        self.replica.apply(average_in_roster_order(grads))
+        if st.shares:
+            self.replica.apply(weighted_average_in_roster_order(grads, st.shares))
+        else:
+            self.replica.apply(average_in_roster_order(grads))
         self._ledger.committed[step] = st.roster
+        self._ledger.committed_shares[step] = st.shares
         self._ledger.forget_before(step, self.history, keep_grads=self.is_leader)
         self._publish_hashes(out)
         wh, ph = self._hashes.own[self.boundary]
-        out.append(Commit(step, st.roster, self._losses.pop(step, None), wh, ph, rollback))
+        out.append(Commit(step, st.roster, self._losses.pop(step, None), wh, ph, rollback,
+                          st.shares))
         return True
 
     def _progress(self, out: list[Action], now: float) -> None:

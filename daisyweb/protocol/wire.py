@@ -46,7 +46,7 @@ __all__ = [
 ]
 
 # 2: Config carries sync_every, codec, outer_lr; 3: Following; 4: Config carries overlap;
-# 5: Heartbeat.echo
+# 5: Heartbeat.echo, Roster.shares and StepHashes.speed (capacity-weighted batches)
 PROTOCOL_VERSION = 5
 
 # Limits. Generous for the project's models, small enough that a hostile peer
@@ -60,6 +60,8 @@ MAX_MESSAGE = MAX_PAYLOAD + (1 << 16)  # decode refuses larger inputs outright
 MAX_U64 = (1 << 64) - 1
 MAX_STEP = (1 << 63) - 1  # steps fit a signed 64-bit int everywhere
 MAX_DIM = 1 << 31
+MAX_SHARE = 1 << 20  # sequences one member may be given in one step
+MAX_SPEED = 1e12  # sequences per second a member may report
 
 
 class WireError(ValueError):
@@ -161,6 +163,13 @@ def _members(t: str, name: str, v: Any) -> tuple[str, ...]:
     if len(set(out)) != len(out):
         raise _fail(t, name, "duplicate member")
     return out
+
+
+def _shares(t: str, name: str, v: Any) -> tuple[int, ...]:
+    if type(v) not in (list, tuple):
+        raise _fail(t, name, f"expected list of int, got {type(v).__name__}")
+    check = _int(1, MAX_SHARE)
+    return tuple(check(t, f"{name}[{i}]", n) for i, n in enumerate(v))
 
 
 _step = _int(0, MAX_STEP)
@@ -285,11 +294,22 @@ class Snapshot(_Msg):
 
 @dataclass(frozen=True)
 class Roster(_Msg):
+    """The members of step ``step`` in summation order. ``shares`` (capacity-weighted
+    batches) gives each member's number of sequences, in the same order; empty: every
+    member takes the run's batch and the contributions are averaged plainly."""
+
     step: int
     members: tuple[str, ...]  # a list is accepted and stored as a tuple (frozen)
+    shares: tuple[int, ...] = ()
 
     type: ClassVar[str] = "roster"
-    _checks: ClassVar[dict[str, Checker]] = {"step": _step, "members": _members}
+    _checks: ClassVar[dict[str, Checker]] = {"step": _step, "members": _members,
+                                             "shares": _shares}
+
+    def _check_cross(self) -> None:
+        if self.shares and len(self.shares) != len(self.members):
+            raise _fail(self.type, "shares", f"{len(self.shares)} shares for "
+                                             f"{len(self.members)} members")
 
 
 @dataclass(frozen=True)
@@ -323,6 +343,9 @@ class StepHashes(_Msg):
     weight_hash: str
     probe_hash: str
     roster_hash: str = "00"
+    # Sequences per second of the sender's last contribution (0: not measured yet): the
+    # leader sets the next roster's shares from it (capacity-weighted batches).
+    speed: float = 0.0
 
     type: ClassVar[str] = "step_hashes"
     _checks: ClassVar[dict[str, Checker]] = {
@@ -331,20 +354,25 @@ class StepHashes(_Msg):
         "weight_hash": _hex,
         "probe_hash": _hex,
         "roster_hash": _hex,
+        "speed": _float(0.0, MAX_SPEED),
     }
 
 
 NO_ROSTER = "00"
 
 
-def roster_digest(members: tuple[str, ...] | list[str] | None) -> str:
-    """Short hex digest of an ordered roster (``NO_ROSTER`` for None)."""
+def roster_digest(members: tuple[str, ...] | list[str] | None,
+                  shares: tuple[int, ...] = ()) -> str:
+    """Short hex digest of an ordered roster and its shares (``NO_ROSTER`` for None);
+    without shares it is the digest it always was."""
     if members is None:
         return NO_ROSTER
     h = hashlib.blake2b(digest_size=8)
     for m in members:
         b = m.encode("utf-8")
         h.update(struct.pack("<I", len(b)) + b)  # length-prefixed: no ambiguity
+    if shares:
+        h.update(b"\x00shares" + struct.pack(f"<{len(shares)}Q", *shares))
     return h.hexdigest()
 
 

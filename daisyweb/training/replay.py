@@ -16,12 +16,32 @@ from typing import Any
 import numpy as np
 
 from daisyweb.optim import AdamConfig, DaisyAdam, weight_hash
-from daisyweb.protocol.averaging import average_in_roster_order, check_gradient
+from daisyweb.protocol.averaging import (
+    average_in_roster_order,
+    check_gradient,
+    weighted_average_in_roster_order,
+)
 from daisyweb.training.rounds import outer_step, round_length, shared_hash
 
 __all__ = ["replay", "replay_hashes", "replay_rounds"]
 
-StepSpec = tuple[Sequence[str], Mapping[str, np.ndarray]]
+# (roster, contributions by member) or, for capacity-weighted batches,
+# (roster, contributions, sequences per roster member)
+StepSpec = (tuple[Sequence[str], Mapping[str, np.ndarray]]
+            | tuple[Sequence[str], Mapping[str, np.ndarray], Sequence[int]])
+
+
+def _combine(spec: StepSpec, size: int, what: str) -> np.ndarray:
+    """The spec's contributions combined as the group did: plain or weighted by shares."""
+    roster, grads = spec[0], spec[1]
+    shares = spec[2] if len(spec) > 2 else ()  # type: ignore[misc]
+    missing = [p for p in roster if p not in grads]
+    if missing:
+        raise ValueError(f"replay {what}: no contribution from {', '.join(missing)}")
+    ordered = [check_gradient(grads[p], size, f"{what} {p}") for p in roster]
+    if shares:
+        return weighted_average_in_roster_order(ordered, list(shares))
+    return average_in_roster_order(ordered)
 
 
 def replay_hashes(
@@ -36,12 +56,8 @@ def replay_hashes(
     if optimizer_state is not None:
         opt.load_state_dict(optimizer_state)
     out: list[str] = []
-    for i, (roster, grads) in enumerate(steps):
-        missing = [p for p in roster if p not in grads]
-        if missing:
-            raise ValueError(f"replay step {i}: no gradient for {', '.join(missing)}")
-        ordered = [check_gradient(grads[p], params.size, f"step {i} {p}") for p in roster]
-        opt.step(params, average_in_roster_order(ordered))
+    for i, spec in enumerate(steps):
+        opt.step(params, _combine(spec, params.size, f"step {i}"))
         out.append(weight_hash(params, opt))
     return out
 
@@ -81,13 +97,9 @@ def replay_rounds(
     anchor = np.array(initial_params, dtype=np.float32, copy=True)
     inner = first_round * sync_every
     out: list[str] = []
-    for i, (roster, deltas) in enumerate(rounds):
+    for i, spec in enumerate(rounds):
         r = first_round + i
-        missing = [p for p in roster if p not in deltas]
-        if missing:
-            raise ValueError(f"replay round {r}: no contribution from {', '.join(missing)}")
-        ordered = [check_gradient(deltas[p], anchor.size, f"round {r} {p}") for p in roster]
-        anchor = outer_step(anchor, average_in_roster_order(ordered), outer_lr)
+        anchor = outer_step(anchor, _combine(spec, anchor.size, f"round {r}"), outer_lr)
         inner += round_length(r, total_steps, sync_every)
         out.append(shared_hash(anchor, r + 1, inner))
     return out

@@ -208,3 +208,26 @@ def test_unopenable_metrics_file_is_one_line_exit_2(tmp_path) -> None:
                         "--metrics", str(bad)], capture_output=True, text=True, timeout=60)
     assert p.returncode == 2
     assert p.stderr.strip() == f"daisyweb-peer: --metrics: cannot open {bad}: Not a directory"
+
+
+def test_capacity_flag_is_the_leaders(capsys: pytest.CaptureFixture[str]) -> None:
+    from daisyweb.cli.peer import parse_args
+    from daisyweb.peer import options_from_args
+
+    assert options_from_args(parse_args([*S, "--start"])).capacity is True  # default on
+    assert options_from_args(parse_args([*S, "--start", "--capacity", "off"])).capacity is False
+    for argv, says in (([*S, "--capacity", "on"], "--capacity needs --start"),
+                       ([*S, "--start", "--capacity", "maybe"], "invalid choice")):
+        with pytest.raises(SystemExit) as e:
+            parse_args(argv)
+        err = capsys.readouterr().err
+        assert e.value.code == 2 and says in err and err.count("\n") == 1
+
+
+def test_slow_factor_switch_parses() -> None:
+    assert TestHooks.from_env({"DAISYWEB_TEST_SLOW_FACTOR": "3"}).slow_factor == 3.0
+    assert TestHooks.from_env({}).slow_factor == 1.0
+    for bad in ("0.5", "fast", "1000", "nan"):
+        with pytest.raises(PeerError) as exc:
+            TestHooks.from_env({"DAISYWEB_TEST_SLOW_FACTOR": bad})
+        assert exc.value.code == 2 and "DAISYWEB_TEST_SLOW_FACTOR" in str(exc.value)

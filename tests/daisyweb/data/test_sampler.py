@@ -176,3 +176,18 @@ def test_default_window_holds_the_builtin_corpus():
     s = BatchSampler(toks, batch=2, seq=64, seed=0, peer="x")
     assert s.tokens.size == toks.size  # the whole corpus fits the default bound
     assert s.max_tokens >= 4_000_000
+
+
+def test_a_share_of_rows_extends_the_batch_row_by_row():
+    # Capacity-weighted batches: a member given n sequences draws rows 0..n-1 of the
+    # same counter, so its first `batch` rows are the batch it draws without weighting.
+    s = _sampler(batch=4)
+    full = s.sample(7)
+    assert np.array_equal(s.sample(7, 4), full)
+    assert np.array_equal(s.sample(7, 9)[:4], full)
+    assert np.array_equal(s.sample(7, 2), full[:2])
+    assert s.sample(7, 9).shape == (9, s.seq + 1)
+    assert list(s.offsets(7, 9)) == _reference_offsets(s.seed, s.peer, 7, 9,
+                                                       s.tokens.size - s.seq)
+    with pytest.raises(ValueError, match="rows"):
+        s.sample(7, 0)

@@ -183,7 +183,8 @@ def oracle(g: Group, peer: Peer, start: Checkpoint | None = None) -> list[str]:
     spec = []
     for r in peer.steps():
         s = r["step"] - 1  # the record's step counts committed updates
-        spec.append((r["roster"], {q: np.load(g.grads / f"{q}-{s}.npy") for q in r["roster"]}))
+        spec.append((r["roster"], {q: np.load(g.grads / f"{q}-{s}.npy") for q in r["roster"]},
+                     r.get("shares", ())))
     if start is not None:
         return replay_hashes(start.params, RunConfig.from_checkpoint(start).adam(), spec,
                              start.adam)
@@ -328,7 +329,7 @@ def test_in_process_group_matches_replay(tmp_path: Path, server: str) -> None:
     hashes = {tuple(r["weight_hash"] for r in s) for s in steps}
     assert len(hashes) == 1
     spec = [(r["roster"], {q: np.load(tmp_path / f"{q}-{r['step'] - 1}.npy")
-                           for q in r["roster"]}) for r in steps[0]]
+                           for q in r["roster"]}, r.get("shares", ())) for r in steps[0]]
     assert len(spec[0][0]) == 3
     want = replay_hashes(init_params(tiny_run().model, 3), tiny_run().adam(), spec)
     assert list(hashes.pop()) == want
@@ -781,7 +782,8 @@ def round_oracle(g: Group, peer: Peer, start: Checkpoint | None = None) -> list[
     spec = []
     for r in peer.steps():
         i = r["round"] - 1
-        spec.append((r["roster"], {q: np.load(g.grads / f"{q}-{i}.npy") for q in r["roster"]}))
+        spec.append((r["roster"], {q: np.load(g.grads / f"{q}-{i}.npy") for q in r["roster"]},
+                     r.get("shares", ())))
     first = peer.steps()[0]["round"] - 1
     if start is not None:
         run_ = RunConfig.from_checkpoint(start)
@@ -812,7 +814,8 @@ def test_rounds_three_peers_identical_at_every_boundary_equal_to_replay(group: G
     hashes = same_hashes(lead, a, b)
     assert hashes == replay_rounds(init_params(tiny_run().model, 3),
                                    [(r["roster"], {q: np.load(group.grads / f"{q}-{i}.npy")
-                                                   for q in r["roster"]})
+                                                   for q in r["roster"]},
+                                                   r.get("shares", ()))
                                     for i, r in enumerate(lead.steps())],
                                    sync_every=2, total_steps=7)
     assert {p.end()["weight_hash"] for p in (lead, a, b)} == {hashes[-1]}
@@ -931,10 +934,105 @@ def test_rounds_finished_run_trains_on_to_a_larger_steps(group: Group) -> None:
         assert [(r["round"], r["step"]) for r in p.steps()] == [(3, 6), (4, 8), (5, 9)]
         assert all(len(r["roster"]) == 2 for r in p.steps())
     spec = [(r["roster"], {q: np.load(g2.grads / f"{q}-{r['round'] - 1}.npy")
-                           for q in r["roster"]}) for r in lead2.steps()]
+                           for q in r["roster"]}, r.get("shares", ())) for r in lead2.steps()]
     hashes = same_hashes(lead2, b2)
     assert hashes == replay_rounds(start.params, spec, sync_every=2, total_steps=9,
                                    first_round=2)
     assert {p.end()["weight_hash"] for p in (lead2, b2)} == {hashes[-1]}
     saved = load_checkpoint(more)
     assert saved.step == 9 and saved.run["steps"] == 9 and saved.run["seed"] == 3
+
+
+# ------------------------------------------------------ capacity-weighted batches
+# The leader gives each member a share of the round's sequences by its measured speed;
+# the contributions are weighted by those counts in roster order. The pool view's link
+# round-trip times come from the same real peers.
+
+CAPACITY = [*TINY[:8], "--batch", "4", *TINY[10:], "--sync-every", "4", "--codec", "int8"]
+
+
+def _room_view(leader: Peer) -> dict:
+    """The group detail through the host's dashboard link the leader printed."""
+    import re
+    import urllib.request
+    from urllib.parse import parse_qs, urlsplit
+
+    m = re.search(r"dashboard with Accept/Deny \(keep it private\): (\S+)",
+                  leader.log.read_text())
+    assert m, leader.log.read_text()
+    parts = urlsplit(m[1])
+    q = parse_qs(parts.query)
+    url = f"{parts.scheme}://{parts.netloc}/api/rooms/{q['room'][0]}?key={q['key'][0]}"
+    with urllib.request.urlopen(url, timeout=5) as resp:
+        return json.loads(resp.read())
+
+
+def test_capacity_gives_a_slowed_peer_a_smaller_share(group: Group) -> None:
+    lead = group.leader(*CAPACITY, "--steps", "32", "--wait-peers", "2", env=SLOW)
+    slow = group.spawn("slow", env={**SLOW, "DAISYWEB_TEST_SLOW_FACTOR": "4"})
+    # While it runs: both reports carry machine, share and a measured link to the other.
+    links: dict = {}
+    deadline = time.monotonic() + 60
+    while time.monotonic() < deadline and lead.proc.poll() is None:
+        try:
+            reports = _room_view(lead)["reports"]
+        except (AssertionError, OSError):
+            time.sleep(0.2)
+            continue
+        links = {p: r.get("links", {}) for p, r in reports.items()}
+        if len(links) == 2 and all(isinstance(v, float) for lk in links.values()
+                                   for v in lk.values()) and all(links.values()):
+            assert all(r["cores"] >= 1 and r["ram_mb"] >= 1 and r["cpu"] and
+                       0 < r["share"] < 1 and r["backend"] for r in reports.values())
+            break
+        time.sleep(0.2)
+    assert [lead.wait(), slow.wait()] == [0, 0], group.logs()
+    a, b = lead.id(), slow.id()
+    assert set(links) == {a, b} and set(links[a]) == {b} and set(links[b]) == {a}, links
+    assert all(0.0 <= rtt < 1000.0 for lk in links.values() for rtt in lk.values())
+    steps = lead.steps()
+    assert [r["step"] for r in steps] == list(range(4, 33, 4))
+    # round 1: nobody measured yet, equal shares; then by speed
+    assert steps[0]["shares"] == [4, 4]
+    later = [dict(zip(r["roster"], r["shares"], strict=True)) for r in steps[1:]]
+    assert all(sum(s.values()) == 8 for s in later)
+    smaller = sum(s[b] < s[a] for s in later)
+    assert smaller > len(later) // 2 and not any(s[b] > s[a] for s in later), later
+    assert sum(s[b] for s in later) < sum(s[a] for s in later)
+    # identical replicas, equal to the replay oracle fed the same shares
+    hashes = same_hashes(lead, slow)
+    spec = [(r["roster"], {q: np.load(group.grads / f"{q}-{r['round'] - 1}.npy")
+                           for q in r["roster"]}, r["shares"]) for r in steps]
+    start = init_params(tiny_run().model, 3)
+    assert hashes == replay_rounds(start, spec, sync_every=4, total_steps=32)
+    assert {lead.end()["weight_hash"], slow.end()["weight_hash"]} == {hashes[-1]}
+    # ...and not to one that averages them plainly: the weights mattered
+    plain = [(roster, deltas) for roster, deltas, _ in spec]
+    assert replay_rounds(start, plain, sync_every=4, total_steps=32)[-1] != hashes[-1]
+    # each peer's own records say its share
+    mine = {r["step"]: r["share"] for r in slow.steps()}
+    assert any(mine[r["step"]] < 0.5 for r in steps[1:])
+
+
+@pytest.mark.parametrize("capacity", [True, False])
+def test_in_process_capacity_on_and_off(tmp_path: Path, server: str, capacity: bool) -> None:
+    hooks = {"p0": TestHooks(dump_grads=str(tmp_path)),
+             "p1": TestHooks(dump_grads=str(tmp_path), slow_factor=6.0)}
+    codes = asyncio.run(_group(tmp_path, server, 2, 8, hooks=hooks,
+                               leader={"capacity": capacity, "batch": 4}))
+    assert codes == [0, 0]
+    recs = [[r for r in _records(tmp_path / f"p{i}.jsonl") if "end" not in r] for i in (0, 1)]
+    assert [r["weight_hash"] for r in recs[0]] == [r["weight_hash"] for r in recs[1]]
+    if not capacity:  # --capacity off: equal shares, the plain average, as ever
+        assert not any("shares" in r for r in recs[0])
+        assert {r["share"] for rs in recs for r in rs} == {0.5}
+    else:
+        slow_id = recs[0][0]["roster"][1]  # p1 joined second
+        shares = [dict(zip(r["roster"], r["shares"], strict=True)) for r in recs[0]]
+        assert shares[0] == {recs[0][0]["roster"][0]: 4, slow_id: 4}
+        assert sum(s[slow_id] for s in shares[1:]) < 4 * len(shares[1:]), shares
+    spec = [(r["roster"], {q: np.load(tmp_path / f"{q}-{r['step'] - 1}.npy")
+                           for q in r["roster"]}, r.get("shares", ())) for r in recs[0]]
+    tiny = tiny_run()
+    assert replay_hashes(init_params(tiny.model, 3), tiny.adam(), spec) == [
+        r["weight_hash"] for r in recs[0]]

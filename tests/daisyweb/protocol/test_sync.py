@@ -828,4 +828,4 @@ def test_future_rosters_are_not_kept() -> None:
     m.message("zz", wire.Roster(b, ("zz",)))
     assert m._ledger.rosters_seen == before
     m.message("c", wire.Roster(b + 1, ("c", "b")))  # near: kept for a failover
-    assert m._ledger.rosters_seen[("c", b + 1)] == ("c", "b")
+    assert m._ledger.rosters_seen[("c", b + 1)] == (("c", "b"), ())

@@ -54,9 +54,11 @@ SAMPLES = [
     StepHashes(5, "b", H, "cd" * 8),
     RepairRequest(5, "c"),
     Heartbeat(12.5),
-    Heartbeat(12.5, 11.75),  # an answer to a beat
     Halt(9, "peer c diverged"),
     Following("peer-a"),
+    Heartbeat(12.5, 11.75),  # an answer to a beat
+    Roster(6, ["a", "b"], [3, 13]),  # capacity-weighted shares
+    StepHashes(6, "a", H, "cd" * 8, "00", 812.5),  # with the sender's speed
 ]
 
 
@@ -271,3 +273,29 @@ def test_step_hashes_carry_a_valid_roster_hash() -> None:
         decode(_mutated(msg, roster_hash="XY"))
     with pytest.raises(WireError, match="missing field"):
         decode(_mutated(msg, roster_hash=_DEL))
+
+
+@pytest.mark.parametrize(("shares", "why"), [
+    ([3], "1 shares for 2 members"), ([3, 0], "out of range"), ([3, True], "expected int"),
+    ([3, 2.0], "expected int"), ("33", "expected list"), ([1, 1 << 21], "out of range"),
+])
+def test_roster_shares_are_checked(shares: object, why: str) -> None:
+    with pytest.raises(WireError, match=why):
+        decode(_pack({"type": "roster", "step": 1, "members": ["a", "b"],
+                           "shares": shares}))
+
+
+@pytest.mark.parametrize("speed", [-1.0, float("inf"), float("nan"), 1e13, "fast", True])
+def test_step_hashes_speed_is_checked(speed: object) -> None:
+    with pytest.raises(WireError, match="speed"):
+        decode(_pack({"type": "step_hashes", "step": 1, "sender": "a",
+                           "weight_hash": H, "probe_hash": "cd" * 8, "roster_hash": "00",
+                           "speed": speed}))
+
+
+def test_roster_digest_covers_the_shares() -> None:
+    from daisyweb.protocol.wire import roster_digest
+
+    assert roster_digest(("a", "b")) == roster_digest(("a", "b"), ())
+    assert roster_digest(("a", "b"), (3, 13)) != roster_digest(("a", "b"))
+    assert roster_digest(("a", "b"), (3, 13)) != roster_digest(("a", "b"), (13, 3))

@@ -1,0 +1,61 @@
+"""Capacity-weighted batches: the leader's share of each member in the next step's (or
+round's) sequences, from the speeds the members report.
+
+The group's batch stays what it is without weighting, ``batch`` sequences per member;
+only who computes them changes. Each member's share is proportional to its measured
+speed (sequences per second of compute, ``wire.StepHashes.speed``), so every member
+needs about the same time and nobody waits long for a slow one. A member without a
+measurement yet (the first step, a joiner) counts at the mean speed of the others; with
+no measurement at all, or speeds within ``DEADBAND`` of each other, every member takes
+``batch`` (then the average is the plain one, bit for bit). Each member takes at least
+one sequence and at most ``MAX_FACTOR`` times ``batch`` (its memory was sized for about
+``batch``). Pure: the followers never recompute it, they take the shares the roster
+carries, so the contributions are always weighted by exactly the counts used.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+
+__all__ = ["DEADBAND", "MAX_FACTOR", "capacity_shares"]
+
+DEADBAND = 1.15  # fastest / slowest below this: equal shares (measurement noise)
+MAX_FACTOR = 4
+
+
+def capacity_shares(members: Sequence[str], speeds: Mapping[str, float],
+                    batch: int) -> tuple[int, ...]:
+    """Sequences per member (roster order) summing to ``batch * len(members)``."""
+    n = len(members)
+    if n == 0:
+        return ()
+    total = batch * n
+    known = [speeds[m] for m in members if speeds.get(m, 0.0) > 0.0]
+    if not known or n == 1:
+        return (batch,) * n
+    mean = sum(known) / len(known)
+    s = [speeds[m] if speeds.get(m, 0.0) > 0.0 else mean for m in members]
+    if max(s) < DEADBAND * min(s):
+        return (batch,) * n
+    hi = max(1, min(MAX_FACTOR * batch, total - (n - 1)))
+    ideal = [total * x / sum(s) for x in s]
+    shares = [min(max(int(v), 1), hi) for v in ideal]
+    # Whole sequences: one at a time to whoever is furthest below its ideal (ties: the
+    # faster, then roster order), or back from whoever is furthest above it (ties: the
+    # slower), within [1, hi]; so a faster member never gets fewer than a slower one.
+    rest = total - sum(shares)
+    while rest > 0:
+        room = [i for i in range(n) if shares[i] < hi]
+        if not room:
+            break
+        i = min(room, key=lambda j: (shares[j] - ideal[j], -s[j], j))
+        shares[i] += 1
+        rest -= 1
+    while rest < 0:
+        room = [i for i in range(n) if shares[i] > 1]
+        if not room:
+            break
+        i = max(room, key=lambda j: (shares[j] - ideal[j], -s[j], -j))
+        shares[i] -= 1
+        rest += 1
+    return tuple(shares)

@@ -1,0 +1,224 @@
+"""Capacity-weighted batches: the leader's shares, the weighted roster-order average (the
+exact full-batch mean), and step machines that carry shares in their rosters."""
+
+from __future__ import annotations
+
+from collections import deque
+
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from daisyweb.optim import AdamConfig, DaisyAdam, weight_hash
+from daisyweb.protocol import wire
+from daisyweb.protocol.averaging import (
+    GradientError,
+    average_in_roster_order,
+    weighted_average_in_roster_order,
+)
+from daisyweb.protocol.capacity import DEADBAND, MAX_FACTOR, capacity_shares
+from daisyweb.protocol.sync import Commit, Compute, Send, StepMachine
+from daisyweb.training.replay import replay_hashes
+
+# ------------------------------------------------------------------- the shares
+
+
+def test_no_speeds_or_close_speeds_keep_equal_shares() -> None:
+    m = ("a", "b", "c")
+    assert capacity_shares(m, {}, 8) == (8, 8, 8)
+    assert capacity_shares(m, {"a": 100.0, "b": 110.0, "c": 100.0}, 8) == (8, 8, 8)
+    assert capacity_shares(("a",), {"a": 5.0}, 8) == (8,)
+    assert capacity_shares((), {}, 8) == ()
+
+
+def test_shares_follow_speed() -> None:
+    assert capacity_shares(("a", "b"), {"a": 100.0, "b": 300.0}, 8) == (4, 12)
+    # a member not measured yet counts at the others' mean
+    assert capacity_shares(("a", "b", "c"), {"a": 100.0, "b": 300.0}, 8) == (4, 12, 8)
+    # at least one sequence each, at most MAX_FACTOR x batch
+    assert capacity_shares(("a", "b"), {"a": 1.0, "b": 1e6}, 8) == (1, 15)
+    many = tuple("abcdefgh")
+    speeds = {p: 1.0 for p in many} | {"a": 1e6}
+    shares = capacity_shares(many, speeds, 2)
+    assert shares[0] == MAX_FACTOR * 2 and sum(shares) == 16 and min(shares) >= 1
+
+
+@settings(max_examples=200, deadline=None)
+@given(speeds=st.lists(st.one_of(st.just(0.0), st.floats(0.01, 1e6)), min_size=1,
+                       max_size=12),
+       batch=st.integers(1, 32))
+def test_shares_always_sum_to_the_group_batch(speeds: list[float], batch: int) -> None:
+    members = tuple(f"p{i}" for i in range(len(speeds)))
+    shares = capacity_shares(members, dict(zip(members, speeds, strict=True)), batch)
+    assert len(shares) == len(members) and sum(shares) == batch * len(members)
+    assert all(1 <= n <= max(1, MAX_FACTOR * batch) for n in shares)
+    known = [s for s in speeds if s > 0]
+    if known and max(known) >= DEADBAND * min(known) * 1.01 and len(set(shares)) > 1:
+        # faster never gets fewer sequences than slower
+        pairs = [(speeds[i], shares[i]) for i in range(len(speeds)) if speeds[i] > 0]
+        for (s1, n1) in pairs:
+            for (s2, n2) in pairs:
+                if s1 > s2:
+                    assert n1 >= n2
+
+
+# ------------------------------------------------------------ the weighted average
+
+
+def _member_means(rng: np.random.Generator, shares: list[int], size: int):
+    """Per-sequence gradients, and each member's mean over its sequences."""
+    per_seq = [rng.standard_normal((n, size)).astype(np.float32) for n in shares]
+    means = [np.mean(x.astype(np.float64), axis=0).astype(np.float32) for x in per_seq]
+    return per_seq, means
+
+
+def test_weighted_average_is_the_full_batch_mean() -> None:
+    rng = np.random.default_rng(5)
+    shares = [3, 13, 8]
+    per_seq, means = _member_means(rng, shares, 257)
+    got = weighted_average_in_roster_order(means, shares)
+    full = np.mean(np.concatenate(per_seq).astype(np.float64), axis=0)
+    assert got.dtype == np.float32
+    assert np.max(np.abs(got - full)) < 1e-6
+    # the plain mean of the member means is not it (it over-weights the 3-sequence member)
+    assert np.max(np.abs(average_in_roster_order(means) - full)) > 1e-3
+    # fixed order, elementwise float32: the same bits every time
+    again = weighted_average_in_roster_order([m.copy() for m in means], shares)
+    assert again.tobytes() == got.tobytes()
+    # by hand, in roster order
+    want = means[0] * np.float32(3)
+    want = want + means[1] * np.float32(13)
+    want = want + means[2] * np.float32(8)
+    want = want * np.float32(1 / 24)
+    assert got.tobytes() == want.astype(np.float32).tobytes()
+
+
+def test_equal_shares_are_the_plain_average_bit_for_bit() -> None:
+    rng = np.random.default_rng(6)
+    grads = [rng.standard_normal(99).astype(np.float32) for _ in range(3)]
+    plain = average_in_roster_order(grads)
+    assert weighted_average_in_roster_order(grads, [8, 8, 8]).tobytes() == plain.tobytes()
+
+
+@pytest.mark.parametrize("shares", [[1, 2], [1, 0, 2], [1, -1, 2], [1, True, 2]])
+def test_bad_shares_refused(shares: list) -> None:
+    grads = [np.zeros(4, dtype=np.float32)] * 3
+    with pytest.raises(GradientError):
+        weighted_average_in_roster_order(grads, shares)
+
+
+# --------------------------------------------------------------- step machines
+
+SIZE = 23
+ADAM = AdamConfig(lr=1e-2)
+
+
+class Replica:
+    def __init__(self) -> None:
+        self.params = np.linspace(-1, 1, SIZE, dtype=np.float32)
+        self.opt = DaisyAdam(ADAM, SIZE)
+
+    @property
+    def step(self) -> int:
+        return self.opt.step_count
+
+    @property
+    def size(self) -> int:
+        return SIZE
+
+    def apply(self, average: np.ndarray) -> None:
+        self.opt.step(self.params, average)
+
+    def weight_hash(self) -> str:
+        return weight_hash(self.params, self.opt)
+
+    def backup(self) -> object:
+        return self.params.copy(), self.opt.state_dict()
+
+    def restore(self, token: object) -> None:
+        params, state = token  # type: ignore[misc]
+        self.params = params.copy()
+        self.opt.load_state_dict(state)
+
+
+def _grad(peer: str, step: int, n: int) -> np.ndarray:
+    rng = np.random.default_rng(hash((peer, step, n)) % (1 << 32))
+    return rng.standard_normal(SIZE).astype(np.float32)
+
+
+def _run(speeds: dict[str, float], capacity: bool, steps: int = 3):
+    """Machines on a FIFO bus; each computes with the share its Compute names."""
+    peers = list(speeds)
+    reps = {p: Replica() for p in peers}
+    ms = {p: StepMachine(p, reps[p], steps, lambda: "aa" * 16, leader=peers[0],
+                         members=peers if p == peers[0] else (), capacity=capacity
+                         if p == peers[0] else False, batch=4) for p in peers}
+    for p, m in ms.items():
+        m.speed = speeds[p]
+    queue: deque = deque()
+    computes: list[tuple[str, Compute]] = []
+    commits: dict[str, list[Commit]] = {p: [] for p in peers}
+    sent: dict[tuple[str, int], np.ndarray] = {}
+
+    def handle(p: str, actions: list) -> None:
+        for a in actions:
+            if isinstance(a, Send):
+                for q in a.to if a.to is not None else [x for x in peers if x != p]:
+                    queue.append((p, q, wire.encode(a.message)))
+            elif isinstance(a, Compute):
+                computes.append((p, a))
+            elif isinstance(a, Commit):
+                commits[p].append(a)
+
+    for p, m in ms.items():
+        handle(p, m.start(0.0))
+    for _ in range(10000):
+        if queue:
+            src, dst, data = queue.popleft()
+            handle(dst, ms[dst].message(src, wire.decode(data), 0.0))
+        elif computes:
+            p, c = computes.pop(0)
+            g = _grad(p, c.step, c.sequences)
+            sent[(p, c.step)] = g
+            handle(p, ms[p].local_gradient(c.step, 1.0, g, 0.0))
+        else:
+            break
+    return reps, commits, sent, computes
+
+
+def test_a_group_with_shares_stays_identical_and_matches_the_replay() -> None:
+    reps, commits, sent, _ = _run({"a": 300.0, "b": 100.0}, capacity=True)
+    assert [c.shares for c in commits["a"]] == [(6, 2)] * 3  # a is three times faster
+    assert [c.shares for c in commits["b"]] == [(6, 2)] * 3
+    assert reps["a"].weight_hash() == reps["b"].weight_hash()
+    spec = [(c.roster, {q: sent[(q, c.step)] for q in c.roster}, c.shares)
+            for c in commits["a"]]
+    start = Replica()
+    assert replay_hashes(start.params, ADAM, spec)[-1] == reps["a"].weight_hash()
+    # the oracle with equal weights gives another state: the shares were used
+    plain = [(r, g) for r, g, _ in spec]
+    assert replay_hashes(start.params, ADAM, plain)[-1] != reps["a"].weight_hash()
+
+
+def test_capacity_off_keeps_equal_shares_and_the_plain_protocol() -> None:
+    reps, commits, sent, _ = _run({"a": 300.0, "b": 100.0}, capacity=False)
+    assert all(c.shares == () for c in commits["a"])
+    spec = [(c.roster, {q: sent[(q, c.step)] for q in c.roster}) for c in commits["a"]]
+    assert replay_hashes(Replica().params, ADAM, spec)[-1] == reps["b"].weight_hash()
+
+
+def test_computes_name_each_members_share() -> None:
+    peers = {"a": 100.0, "b": 300.0}
+    reps = {p: Replica() for p in peers}
+    a = StepMachine("a", reps["a"], 2, lambda: "aa" * 16, leader="a", members=["a", "b"],
+                    capacity=True, batch=4)
+    a.speed = 100.0  # measured on its last contribution, published with its hashes
+    a.start(0.0)
+    b_hashes = wire.StepHashes(0, "b", reps["b"].weight_hash(), "aa" * 16, "00", 300.0)
+    actions = a.message("b", b_hashes, 0.0)
+    (roster,) = [x.message for x in actions if isinstance(x, Send)
+                 and isinstance(x.message, wire.Roster)]
+    assert roster.shares == (2, 6)
+    (compute,) = [x for x in actions if isinstance(x, Compute)]
+    assert compute.sequences == 2
