@@ -222,3 +222,51 @@ def test_computes_name_each_members_share() -> None:
     assert roster.shares == (2, 6)
     (compute,) = [x for x in actions if isinstance(x, Compute)]
     assert compute.sequences == 2
+
+
+def _follower_that_committed_step_0() -> tuple[StepMachine, Replica, list]:
+    """b committed step 0 of roster (a, b, c) with shares (2, 4, 6)."""
+    from daisyweb.protocol.codec import F32
+    from daisyweb.protocol.sync import Stopped
+
+    rep = Replica()
+    b = StepMachine("b", rep, 3, lambda: "aa" * 16, leader="a")
+    b.start(0.0)
+    out = b.message("a", wire.Roster(0, ("a", "b", "c"), (2, 4, 6)), 0.0)
+    assert [x.sequences for x in out if isinstance(x, Compute)] == [4]
+    out = b.local_gradient(0, 1.0, _grad("b", 0, 4), 0.0)
+    for p in ("a", "c"):
+        out += b.message(p, wire.Gradient(0, p, F32.encode(_grad(p, 0, 0))), 0.0)
+    (commit,) = [x for x in out if isinstance(x, Commit)]
+    assert commit.shares == (2, 4, 6) and not [x for x in out if isinstance(x, Stopped)]
+    return b, rep, [F32.decode(F32.encode(_grad(p, 0, n)), SIZE) for p, n in
+                    (("a", 0), ("b", 4), ("c", 0))]
+
+
+def test_an_amendment_keeps_the_shares_and_recommits_weighted() -> None:
+    b, rep, grads = _follower_that_committed_step_0()
+    out = b.message("a", wire.Roster(0, ("a", "b"), (2, 4)), 0.0)  # c is gone
+    (commit,) = [x for x in out if isinstance(x, Commit)]
+    assert commit.rollback and commit.roster == ("a", "b") and commit.shares == (2, 4)
+    want = Replica()
+    want.apply(weighted_average_in_roster_order(grads[:2], [2, 4]))
+    assert rep.weight_hash() == want.weight_hash()
+
+
+def test_an_amendment_that_changes_a_share_halts() -> None:
+    from daisyweb.protocol.sync import Stopped
+
+    b, rep, _ = _follower_that_committed_step_0()
+    before = rep.weight_hash()
+    out = b.message("a", wire.Roster(0, ("a", "b"), (3, 4)), 0.0)  # a's 2 became 3
+    (stop,) = [x for x in out if isinstance(x, Stopped)]
+    assert "changes shares" in stop.reason and rep.weight_hash() == before
+
+
+def test_a_new_leader_amends_with_the_shares_first_named() -> None:
+    from daisyweb.protocol.leading import _kept_shares
+    from daisyweb.protocol.ledger import InFlight
+
+    st = InFlight(roster=("a", "b", "c"), shares=(2, 4, 6))
+    assert _kept_shares(st, ("a", "c")) == (2, 6)
+    assert _kept_shares(InFlight(roster=("a", "b")), ("a",)) == ()
