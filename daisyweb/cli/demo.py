@@ -58,6 +58,9 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--overlap", type=int, metavar="K",
                    help="steps of each round run while the last exchange is in flight "
                         f"(default {DEFAULTS['overlap']}, below --sync-every)")
+    p.add_argument("--capacity", choices=("on", "off"), default="on",
+                   help="faster peers take a bigger share of each step's sequences "
+                        "(default on)")
     p.add_argument("--save", metavar="FILE.pt", help="write the final checkpoint here")
     p.add_argument("--eval-every", type=int, default=0, metavar="K",
                    help="leader: held-out loss every K steps in progress and metrics")
@@ -222,7 +225,8 @@ def peer_commands(args: argparse.Namespace, run: RunConfig, server: str,
         "--heads", str(run.model.heads), "--seq", str(run.model.seq),
         "--batch", str(run.batch), "--steps", str(run.steps), "--lr", repr(run.lr),
         "--seed", str(run.seed), "--sync-every", str(run.sync_every), "--codec", run.codec,
-        "--outer-lr", repr(run.outer_lr), "--overlap", str(run.overlap)]
+        "--outer-lr", repr(run.outer_lr), "--overlap", str(run.overlap),
+        "--capacity", args.capacity]
     if args.save:
         leader += ["--save", args.save]
         if args.save_every:

@@ -286,3 +286,16 @@ def test_demo_peers_share_the_cores_one_blas_thread_each(monkeypatch) -> None:
     assert blas_threads(2, cores=8)["OPENBLAS_NUM_THREADS"] == "4"
     monkeypatch.setenv("OPENBLAS_NUM_THREADS", "2")  # the user's choice is kept
     assert "OPENBLAS_NUM_THREADS" not in blas_threads(3, cores=2)
+
+
+def test_demo_passes_capacity_to_its_leader() -> None:
+    from daisyweb.training.config import run_config
+
+    parser = demo._parser()
+    run = run_config(64)
+    for flag in ("on", "off"):
+        args = parser.parse_args(["--capacity", flag])
+        leader, follower = demo.peer_commands(args, run, "http://127.0.0.1:9", "room1")[:2]
+        assert leader[leader.index("--capacity") + 1] == flag
+        assert "--capacity" not in follower  # the leader's call
+    assert parser.parse_args([]).capacity == "on"
