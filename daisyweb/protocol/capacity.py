@@ -9,7 +9,10 @@ measurement yet (the first step, a joiner) counts at the mean speed of the other
 no measurement at all, or speeds within ``DEADBAND`` of each other, every member takes
 ``batch`` (then the average is the plain one, bit for bit). Each member takes at least
 one sequence and at most ``MAX_FACTOR`` times ``batch`` (its memory was sized for about
-``batch``). Pure: the followers never recompute it, they take the shares the roster
+``batch``). The previous step's shares stay while no member's new share differs from
+its old one by more than a quarter (at least one sequence): noise does not move them,
+and a member's head start of the next round (``--overlap``, drawn with its last share)
+stays usable. Pure: the followers never recompute it, they take the shares the roster
 carries, so the contributions are always weighted by exactly the counts used.
 """
 
@@ -23,9 +26,20 @@ DEADBAND = 1.15  # fastest / slowest below this: equal shares (measurement noise
 MAX_FACTOR = 4
 
 
-def capacity_shares(members: Sequence[str], speeds: Mapping[str, float],
-                    batch: int) -> tuple[int, ...]:
-    """Sequences per member (roster order) summing to ``batch * len(members)``."""
+def capacity_shares(members: Sequence[str], speeds: Mapping[str, float], batch: int,
+                    previous: Sequence[int] = ()) -> tuple[int, ...]:
+    """Sequences per member (roster order) summing to ``batch * len(members)``;
+    ``previous``: the last step's shares of the same members, kept unless one moved
+    by more than a quarter."""
+    new = _proportional(members, speeds, batch)
+    if len(previous) == len(new) and sum(previous) == sum(new) and all(
+            abs(n - p) <= max(1, p // 4) for n, p in zip(new, previous, strict=True)):
+        return tuple(previous)
+    return new
+
+
+def _proportional(members: Sequence[str], speeds: Mapping[str, float],
+                  batch: int) -> tuple[int, ...]:
     n = len(members)
     if n == 0:
         return ()

@@ -155,7 +155,10 @@ class LeaderDuties:
         self._published.add(b)
         shares: tuple[int, ...] = ()
         if self.capacity:
-            shares = capacity_shares(members, self._hashes.speeds.get(b, {}), self.batch)
+            last = self._ledger.committed_shares.get(b - 1, ())
+            previous = last if self._ledger.committed.get(b - 1) == members else ()
+            shares = capacity_shares(members, self._hashes.speeds.get(b, {}), self.batch,
+                                     previous)
         out.append(Send(self.members.others(members), wire.Roster(b, members, shares)))
         self._set_roster(out, b, members, now, shares)
 

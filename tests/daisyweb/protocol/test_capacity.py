@@ -270,3 +270,16 @@ def test_a_new_leader_amends_with_the_shares_first_named() -> None:
     st = InFlight(roster=("a", "b", "c"), shares=(2, 4, 6))
     assert _kept_shares(st, ("a", "c")) == (2, 6)
     assert _kept_shares(InFlight(roster=("a", "b")), ("a",)) == ()
+
+
+def test_shares_stay_while_speeds_move_a_little() -> None:
+    m = ("a", "b")
+    first = capacity_shares(m, {"a": 100.0, "b": 300.0}, 8)
+    assert first == (4, 12)
+    # the ideal moves to (5, 11): within a quarter of each, the shares stay
+    assert capacity_shares(m, {"a": 130.0, "b": 290.0}, 8, first) == (4, 12)
+    # a bigger move is followed
+    assert capacity_shares(m, {"a": 300.0, "b": 300.0}, 8, first) == (8, 8)
+    assert capacity_shares(m, {"a": 300.0, "b": 100.0}, 8, first) == (12, 4)
+    # previous shares of another group size are not kept
+    assert capacity_shares(("a", "b", "c"), {}, 8, first) == (8, 8, 8)
