@@ -1037,3 +1037,19 @@ def test_in_process_capacity_on_and_off(tmp_path: Path, server: str, capacity: b
     tiny = tiny_run()
     assert replay_hashes(init_params(tiny.model, 3), tiny.adam(), spec) == [
         r["weight_hash"] for r in recs[0]]
+
+
+async def test_a_head_start_over_another_share_is_dropped() -> None:
+    """--overlap with capacity: a head start drawn with the last share is used only if
+    the roster names the same share again (else its sequences would be weighted
+    wrongly); it is waited for either way (it holds the sampler)."""
+    from daisyweb.peer.driver import Driver, PendingHead
+
+    driver = Driver.__new__(Driver)
+    loop = asyncio.get_running_loop()
+    for rows, want in ((4, "head"), (3, None)):
+        future = loop.create_future()
+        future.set_result("head")
+        driver.head = PendingHead(7, future, 4)
+        assert await driver._take_head(7, rows) == want
+        assert driver.head is None
