@@ -57,10 +57,11 @@ async def test_pool_view_in_chromium(chromium) -> None:
         await recv(carol, "approved")
         machine_a = {"cpu": "Intel(R) Core(TM)2 Duo CPU E8400 @ 3.00GHz", "cores": 2,
                      "ram_mb": 4096, "backend": "blas64", "share": 0.625,
-                     "peer_tokens_per_s": 812.4, "total_steps": 300}
+                     "peer_tokens_per_s": 812.4, "total_steps": 300, "transport": "aiortc"}
         # bob's CPU string is printable (the server takes it) but looks like markup
         machine_b = {"cpu": "<b>old</b> box", "cores": 4, "ram_mb": 8192, "backend": "blas",
-                     "share": 0.375, "peer_tokens_per_s": 400.0, "total_steps": 300}
+                     "share": 0.375, "peer_tokens_per_s": 400.0, "total_steps": 300,
+                     "transport": "libwebrtc"}
         await alice.send_json(status(10, **machine_a, eta_s=125, links={b: 1.2, c: None},
                                      heldout_loss=6.0, heldout_step=10))
         await bob.send_json(status(10, **machine_b, eta_s=130, links={a: 1.6}))
@@ -88,10 +89,11 @@ async def test_pool_view_in_chromium(chromium) -> None:
                                        "column body).")
 
                 row = await page.locator(f'#machines tr[data-peer="{a}"] td').all_text_contents()
-                assert row == ["alice", machine_a["cpu"], "2", "4.0 GiB", "blas64", "–",
+                assert row == ["alice", machine_a["cpu"], "2", "4.0 GiB", "blas64", "aiortc",
                                "62.5%", "812", "20%"]
                 row_b = await page.locator(f'#machines tr[data-peer="{b}"] td').all_text_contents()
                 assert row_b[1] == "<b>old</b> box" and row_b[6] == "37.5%"
+                assert row_b[5] == "libwebrtc"  # the transport each peer says it uses
                 assert await page.locator("#machines b").count() == 0  # text, not markup
                 row_c = await page.locator(f'#machines tr[data-peer="{c}"] td').all_text_contents()
                 assert row_c == ["carol", "–", "–", "–", "–", "–", "–", "–", "20%"]
