@@ -203,9 +203,9 @@ def test_int8_path_close_to_float_path_and_uses_kernel(monkeypatch: pytest.Monke
     calls: list[tuple[tuple[int, ...], tuple[int, ...]]] = []
     real = kernels.int8_matmul
 
-    def counting(x: np.ndarray, w: np.ndarray) -> np.ndarray:
+    def counting(x: np.ndarray, w: np.ndarray, out: np.ndarray | None = None) -> np.ndarray:
         calls.append((x.shape, w.shape))
-        return real(x, w)
+        return real(x, w, out=out)
 
     monkeypatch.setattr(kernels, "int8_matmul", counting)
     q_loss, q_grad = loss_and_grad(cfg, params, batch)
