@@ -43,6 +43,7 @@ from typing import Any
 import numpy as np
 
 import kernels
+from daisyweb import parallel
 from daisyweb.checkpoints.quote import short_repr
 from daisyweb.rules import DEFAULTS, MAX_LAYERS, MAX_PARAMS, MODEL_FIELDS, check_model
 
@@ -324,7 +325,7 @@ class _Work:
         return self._bufs[("causal", 0)]
 
 
-_POOL_MAX = 2  # idle workspaces kept (training batch + one evaluation shape)
+_POOL_MAX = 4  # idle workspaces kept (two halves of a training batch + of one other)
 _pool: list[_Work] = []
 _pool_lock = threading.Lock()
 
@@ -465,23 +466,22 @@ def _forward(cfg: ModelConfig, p: dict[str, np.ndarray], tokens: np.ndarray, mod
     mode.linear(hf, p["head.w"], None, logits)
 
 
-def _cross_entropy(logits: np.ndarray, targets: np.ndarray, want_grad: bool
-                   ) -> float:
-    """Mean next-token cross-entropy; overwrites logits (with dloss/dlogits if want_grad)."""
+def _cross_entropy(logits: np.ndarray, targets: np.ndarray, want_grad: bool, total: int,
+                   nll: np.ndarray) -> None:
+    """Next-token cross-entropy of each row into ``nll``; with want_grad, logits are
+    overwritten with dloss/dlogits of the mean over ``total`` rows (the whole batch)."""
     n = logits.shape[0]
     rows = np.arange(n)
     z = logits
     z -= z.max(axis=-1, keepdims=True)
     picked = z[rows, targets]  # fancy indexing: a copy
     e = np.exp(z, out=z)
-    total = e.sum(axis=-1)
-    nll = np.log(total) - picked
-    loss = float(np.mean(nll, dtype=np.float64))
+    sums = e.sum(axis=-1)
+    np.subtract(np.log(sums), picked, out=nll)
     if want_grad:
-        e /= total[:, None]
+        e /= sums[:, None]
         e[rows, targets] -= 1.0
-        e *= e.dtype.type(1.0 / n)
-    return loss
+        e *= e.dtype.type(1.0 / total)
 
 
 _SCATTER_RANKS = 64  # past this many repeats of one id, np.add.at itself is faster
@@ -579,6 +579,34 @@ def _work_key(cfg: ModelConfig, tokens: np.ndarray, mode: _Mode, keep: bool
     return (cfg, tokens.shape, keep, mode.dt)
 
 
+def _halves(bsz: int) -> list[slice]:
+    """The batch rows of each half a step is computed in: fixed by the batch size alone
+    (never by the core count), so the bits do not depend on how many cores ran it."""
+    if bsz < 2:
+        return [slice(0, bsz)]
+    mid = (bsz + 1) // 2
+    return [slice(0, mid), slice(mid, bsz)]
+
+
+def _in_halves(cfg: ModelConfig, tokens: np.ndarray, mode: _Mode, keep: bool,
+               body: Any, finish: Any = None) -> None:
+    """``body(half index, rows, workspace)`` for each half, in parallel when two cores
+    are allowed (``daisyweb.parallel``); then ``finish(workspaces)`` on this thread."""
+    parts = _halves(tokens.shape[0])
+    works = [_take(_work_key(cfg, tokens[rows], mode, keep)) for rows in parts]
+    try:
+        if len(parts) == 1:
+            body(0, parts[0], works[0])
+        else:
+            parallel.both(lambda: body(0, parts[0], works[0]),
+                          lambda: body(1, parts[1], works[1]))
+        if finish is not None:
+            finish(works)
+    finally:
+        for work in works:
+            _give(work)
+
+
 def forward(cfg: ModelConfig, params: np.ndarray, tokens: np.ndarray, *,
             exact: bool = False, quantized: bool = True) -> np.ndarray:
     """Logits [B, T, vocab] (float32; float64 with ``exact``) for tokens [B, T], T <= seq."""
@@ -586,13 +614,15 @@ def forward(cfg: ModelConfig, params: np.ndarray, tokens: np.ndarray, *,
     flat = _check_params(cfg, params, exact)
     tokens = _check_tokens(cfg, tokens, "tokens", cfg.seq)
     bsz, t = tokens.shape
-    logits = np.empty((bsz * t, cfg.vocab), mode.dt)  # the caller's: fresh
-    work = _take(_work_key(cfg, tokens, mode, False))
-    try:
-        _forward(cfg, views(cfg, flat), tokens, mode, work, False, logits)
-    finally:
-        _give(work)
-    return logits.reshape(bsz, t, cfg.vocab)
+    logits = np.empty((bsz, t, cfg.vocab), mode.dt)  # the caller's: fresh
+    p = views(cfg, flat)
+
+    def body(_: int, rows: slice, work: _Work) -> None:
+        out = logits[rows].reshape(-1, cfg.vocab)
+        _forward(cfg, p, tokens[rows], mode, work, False, out)
+
+    _in_halves(cfg, tokens, mode, False, body)
+    return logits
 
 
 def _split_batch(cfg: ModelConfig, batch: Any) -> tuple[np.ndarray, np.ndarray]:
@@ -600,7 +630,7 @@ def _split_batch(cfg: ModelConfig, batch: Any) -> tuple[np.ndarray, np.ndarray]:
     if batch.shape[1] < 2:
         raise ValueError(f"batch must have at least 2 columns (inputs + targets), "
                          f"got shape {batch.shape}")
-    return batch[:, :-1], batch[:, 1:].reshape(-1)
+    return batch[:, :-1], batch[:, 1:]
 
 
 def _check_out(out: Any, flat: np.ndarray, dt: np.dtype) -> np.ndarray:
@@ -623,21 +653,41 @@ def loss_and_grad(cfg: ModelConfig, params: np.ndarray, batch: np.ndarray, *,
     ``params``: float32, or float64 with ``exact`` (float64 reference, no quantization).
     It is a fresh array, or ``out`` (every element overwritten) if given: a training loop
     that hands the same buffer every step allocates nothing per step.
+
+    The batch is computed in two halves of rows (``_halves``), each into its own gradient,
+    and the gradient is their elementwise sum (first half + second half); the loss is the
+    mean of every row's loss, the same bits as one pass over the whole batch.
     """
     mode = _Mode(exact, quantized)
     flat = _check_params(cfg, params, exact)
     inputs, targets = _split_batch(cfg, batch)
     grad = np.empty(flat.size, mode.dt) if out is None else _check_out(out, flat, mode.dt)
     p = views(cfg, flat)
-    work = _take(_work_key(cfg, inputs, mode, True))
-    try:
-        logits = work("logits", (inputs.size, cfg.vocab))
-        _forward(cfg, p, inputs, mode, work, True, logits)
-        loss = _cross_entropy(logits, targets, want_grad=True)
-        _backward(cfg, p, views(cfg, grad), inputs, logits, work)
-    finally:
-        _give(work)
-    return loss, grad
+    nll = np.empty(targets.shape, mode.dt)
+
+    def body(k: int, rows: slice, work: _Work) -> None:
+        part = inputs[rows]
+        logits = work("logits", (part.size, cfg.vocab))
+        _forward(cfg, p, part, mode, work, True, logits)
+        _cross_entropy(logits, targets[rows].reshape(-1), True, targets.size,
+                       nll[rows].reshape(-1))
+        # the second half's gradient lives in its workspace until it is summed in
+        _backward(cfg, p, views(cfg, work("grad", grad.shape) if k else grad), part,
+                  logits, work)
+
+    def finish(works: list[_Work]) -> None:
+        if len(works) == 2:
+            _add_halves(grad, works[1]("grad", grad.shape))
+
+    _in_halves(cfg, inputs, mode, True, body, finish)
+    return float(np.mean(nll, dtype=np.float64)), grad
+
+
+def _add_halves(grad: np.ndarray, second: np.ndarray) -> None:
+    """grad += second, elementwise (the two ranges of the vector on two cores)."""
+    mid = grad.size // 2
+    parallel.both(lambda: np.add(grad[:mid], second[:mid], out=grad[:mid]),
+                  lambda: np.add(grad[mid:], second[mid:], out=grad[mid:]))
 
 
 def loss_only(cfg: ModelConfig, params: np.ndarray, batch: np.ndarray, *,
@@ -646,10 +696,15 @@ def loss_only(cfg: ModelConfig, params: np.ndarray, batch: np.ndarray, *,
     mode = _Mode(exact, quantized)
     flat = _check_params(cfg, params, exact)
     inputs, targets = _split_batch(cfg, batch)
-    work = _take(_work_key(cfg, inputs, mode, False))
-    try:
-        logits = work("logits", (inputs.size, cfg.vocab))
-        _forward(cfg, views(cfg, flat), inputs, mode, work, False, logits)
-        return _cross_entropy(logits, targets, want_grad=False)
-    finally:
-        _give(work)
+    p = views(cfg, flat)
+    nll = np.empty(targets.shape, mode.dt)
+
+    def body(_: int, rows: slice, work: _Work) -> None:
+        part = inputs[rows]
+        logits = work("logits", (part.size, cfg.vocab))
+        _forward(cfg, p, part, mode, work, False, logits)
+        _cross_entropy(logits, targets[rows].reshape(-1), False, targets.size,
+                       nll[rows].reshape(-1))
+
+    _in_halves(cfg, inputs, mode, False, body)
+    return float(np.mean(nll, dtype=np.float64))
