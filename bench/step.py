@@ -122,8 +122,9 @@ def phase_times(step: Callable[[], float], steps: int) -> dict[str, float]:
     """Mean seconds per step in each phase of the numpy step, by wrapping the functions
     that make up each phase: quantize (``quantize_values`` as called by
     ``int8_matmul``), forward int8 GEMMs (the dispatcher's ``_run``: backend GEMM +
-    audit), backward (``model._backward``), optimizer (``DaisyAdam.step``); "other" is
-    the rest (dequantize epilogue, LayerNorm, attention, GELU, loss, checks)."""
+    audit), backward (``model._backward_rows`` and ``_weight_grads``), optimizer
+    (``DaisyAdam.step``); "other" is the rest (dequantize epilogue, LayerNorm,
+    attention, GELU, loss, checks). Meant for one core: on two, phases overlap."""
     import daisyweb.model as model_mod
     import kernels.dispatch as dispatch
 
@@ -132,7 +133,7 @@ def phase_times(step: Callable[[], float], steps: int) -> dict[str, float]:
 
     def wrap(owner: Any, name: str, label: str) -> None:
         orig = getattr(owner, name)
-        acc[label] = 0.0
+        acc.setdefault(label, 0.0)
 
         def timed(*a: Any, **k: Any) -> Any:
             t0 = time.perf_counter()
@@ -146,7 +147,8 @@ def phase_times(step: Callable[[], float], steps: int) -> dict[str, float]:
 
     wrap(dispatch, "quantize_values", "quantize")
     wrap(dispatch, "_run", "forward int8 GEMMs")
-    wrap(model_mod, "_backward", "backward")
+    wrap(model_mod, "_backward_rows", "backward")
+    wrap(model_mod, "_weight_grads", "backward")
     wrap(DaisyAdam, "step", "optimizer")
     try:
         step()

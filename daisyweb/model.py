@@ -325,7 +325,7 @@ class _Work:
         return self._bufs[("causal", 0)]
 
 
-_POOL_MAX = 4  # idle workspaces kept (two halves of a training batch + of one other)
+_POOL_MAX = 2  # idle workspaces kept (training batch + one evaluation shape)
 _pool: list[_Work] = []
 _pool_lock = threading.Lock()
 
@@ -394,8 +394,8 @@ def _gelu(u: np.ndarray, out: np.ndarray, t: np.ndarray) -> None:
 
 
 def _gelu_back(da: np.ndarray, u: np.ndarray, t: np.ndarray, s1: np.ndarray,
-               s2: np.ndarray) -> np.ndarray:
-    """dL/du into ``da`` (overwritten); s1, s2 are scratch of u's shape."""
+               s2: np.ndarray, out: np.ndarray) -> np.ndarray:
+    """dL/du into ``out`` (may be u: it is read before the last write); s1, s2 scratch."""
     f = u.dtype.type
     # d/du 0.5 u (1 + t) = 0.5 (1 + t) + 0.5 u (1 - t^2) s (1 + 3 c u^2)
     np.multiply(u, u, out=s1)
@@ -409,42 +409,61 @@ def _gelu_back(da: np.ndarray, u: np.ndarray, t: np.ndarray, s1: np.ndarray,
     s1 += t
     s1 += f(1.0)
     s1 *= f(0.5)
-    da *= s1
-    return da
+    return np.multiply(s1, da, out=out)
 
 
 # --------------------------------------------------------------------------- model
+#
+# A call computes its batch in two halves of rows (``_halves``), in parallel when two
+# cores are allowed. Every buffer of the workspace is full-batch; a half reads and writes
+# only its own rows of it. Row-wise work (forward, loss, the backward's chain of dL/dx)
+# runs per half; the weight gradients, which sum over all rows, run afterwards on the
+# whole batch (``_weight_grads``), one tensor per GEMM. LayerNorm gains and biases are
+# the one exception: their column sums are taken per half and added, first half first.
+
+
+class _Rows:
+    """One half's rows: ``b`` (batch rows) and ``r`` (token rows, [B*T] buffers)."""
+
+    def __init__(self, rows: slice, t: int) -> None:
+        self.b = rows
+        self.r = slice(rows.start * t, rows.stop * t)
+        self.size = rows.stop - rows.start
+
 
 def _forward(cfg: ModelConfig, p: dict[str, np.ndarray], tokens: np.ndarray, mode: _Mode,
-             work: _Work, keep: bool, logits: np.ndarray) -> None:
-    """Logits [B*T, vocab] into ``logits``; with ``keep`` every layer's activations stay in
-    ``work`` for the backward (without, layers share one set of buffers)."""
+             work: _Work, keep: bool, logits: np.ndarray, half: _Rows) -> None:
+    """Logits of ``half``'s rows into ``logits`` ([half rows * T, vocab]); with ``keep``
+    every layer's activations stay in ``work`` for the backward (without, layers share
+    one set of buffers)."""
     bsz, t = tokens.shape
     c, h = cfg.width, cfg.heads
     d = c // h
     n = bsz * t
     f = mode.dt.type
     scale = f(1.0 / math.sqrt(d))
-    x = work("x", (n, c))
-    np.take(p["wte"], tokens.reshape(-1), axis=0, out=x, mode="clip")  # ids checked
-    x3 = x.reshape(bsz, t, c)
+    b, r = half.size, half.r
+    x = work("x", (n, c))[r]
+    np.take(p["wte"], tokens[half.b].reshape(-1), axis=0, out=x, mode="clip")  # ids checked
+    x3 = x.reshape(b, t, c)
     x3 += p["wpe"][:t]
-    tmp = work("tmp", (n, c))
-    col = work("col4", (bsz, h, t, 1))
-    proj = work("proj", (n, c))
+    tmp = work("tmp", (n, c))[r]
+    col = work("col4", (bsz, h, t, 1))[half.b]
+    proj = work("proj", (n, c))[r]
     bias = work.causal(t)
     for i in range(cfg.layers):
         q_ = f"h{i}."
         j = i if keep else 0
-        h1, xhat1, rstd1 = work("h1", (n, c), j), work("xhat1", (n, c), j), work("rstd1", (n, 1), j)
+        h1 = work("h1", (n, c), j)[r]
+        xhat1, rstd1 = work("xhat1", (n, c), j)[r], work("rstd1", (n, 1), j)[r]
         _layernorm(x, p[q_ + "ln1.g"], p[q_ + "ln1.b"], h1, xhat1, rstd1, tmp)
         qkv = mode.linear(h1, p[q_ + "attn.w_qkv"], p[q_ + "attn.b_qkv"],
-                          work("qkv", (n, 3 * c), j))
+                          work("qkv", (n, 3 * c), j)[r])
         # [B, T, 3, H, D] -> three [B, H, T, D] views
-        q5 = qkv.reshape(bsz, t, 3, h, d).transpose(2, 0, 3, 1, 4)
-        qs = work("qs", (bsz, h, t, d), j)
+        q5 = qkv.reshape(b, t, 3, h, d).transpose(2, 0, 3, 1, 4)
+        qs = work("qs", (bsz, h, t, d), j)[half.b]
         np.multiply(q5[0], scale, out=qs)  # scaling q (smaller than the scores): same math
-        att = work("att", (bsz, h, t, t), j)
+        att = work("att", (bsz, h, t, t), j)[half.b]
         np.matmul(qs, q5[1].transpose(0, 1, 3, 2), out=att)
         att += bias
         np.max(att, axis=-1, keepdims=True, out=col)
@@ -452,17 +471,20 @@ def _forward(cfg: ModelConfig, p: dict[str, np.ndarray], tokens: np.ndarray, mod
         np.exp(att, out=att)
         np.sum(att, axis=-1, keepdims=True, out=col)
         att /= col
-        y = work("y", (n, c), j)
-        np.matmul(att, q5[2], out=y.reshape(bsz, t, h, d).transpose(0, 2, 1, 3))
+        y = work("y", (n, c), j)[r]
+        np.matmul(att, q5[2], out=y.reshape(b, t, h, d).transpose(0, 2, 1, 3))
         x += mode.linear(y, p[q_ + "attn.w_out"], p[q_ + "attn.b_out"], proj)
-        h2, xhat2, rstd2 = work("h2", (n, c), j), work("xhat2", (n, c), j), work("rstd2", (n, 1), j)
+        h2 = work("h2", (n, c), j)[r]
+        xhat2, rstd2 = work("xhat2", (n, c), j)[r], work("rstd2", (n, 1), j)[r]
         _layernorm(x, p[q_ + "ln2.g"], p[q_ + "ln2.b"], h2, xhat2, rstd2, tmp)
-        u = mode.linear(h2, p[q_ + "mlp.w_in"], p[q_ + "mlp.b_in"], work("u", (n, 4 * c), j))
-        a, tanh_u = work("a", (n, 4 * c), j), work("tanh", (n, 4 * c), j)
+        u = mode.linear(h2, p[q_ + "mlp.w_in"], p[q_ + "mlp.b_in"],
+                        work("u", (n, 4 * c), j)[r])
+        a, tanh_u = work("a", (n, 4 * c), j)[r], work("tanh", (n, 4 * c), j)[r]
         _gelu(u, a, tanh_u)
         x += mode.linear(a, p[q_ + "mlp.w_out"], p[q_ + "mlp.b_out"], proj)
-    hf = work("hf", (n, c))
-    _layernorm(x, p["lnf.g"], p["lnf.b"], hf, work("xhatf", (n, c)), work("rstdf", (n, 1)), tmp)
+    hf = work("hf", (n, c))[r]
+    _layernorm(x, p["lnf.g"], p["lnf.b"], hf, work("xhatf", (n, c))[r],
+               work("rstdf", (n, 1))[r], tmp)
     mode.linear(hf, p["head.w"], None, logits)
 
 
@@ -508,48 +530,69 @@ def _scatter_rows(g: np.ndarray, index: np.ndarray, rows: np.ndarray) -> None:
         g[ids[sel]] += ranked[sel]
 
 
-def _backward(cfg: ModelConfig, p: dict[str, np.ndarray], g: dict[str, np.ndarray],
-              tokens: np.ndarray, dlogits: np.ndarray, work: _Work) -> None:
-    """Fill every gradient view ``g`` (float matmuls throughout: straight-through)."""
-    bsz, t = tokens.shape
+def _ln_grads(work: _Work, g: dict[str, np.ndarray], name: str, k: int, split: bool
+              ) -> tuple[np.ndarray, np.ndarray]:
+    """Where half ``k`` puts LayerNorm ``name``'s dg and db: the gradient itself for an
+    unsplit batch, else this half's partial sums (added by ``_ln_finish``)."""
+    dg = g[name + ".g"]
+    if not split:
+        return dg, g[name + ".b"]
+    part = work("ln:" + name, (2, 2, dg.size))
+    return part[k, 0], part[k, 1]
+
+
+def _ln_finish(work: _Work, g: dict[str, np.ndarray], name: str) -> None:
+    part = work("ln:" + name, (2, 2, g[name + ".g"].size))
+    np.add(part[0, 0], part[1, 0], out=g[name + ".g"])
+    np.add(part[0, 1], part[1, 1], out=g[name + ".b"])
+
+
+def _ln_names(cfg: ModelConfig) -> list[str]:
+    return ["lnf"] + [f"h{i}.ln{j}" for i in range(cfg.layers) for j in (1, 2)]
+
+
+def _backward_rows(cfg: ModelConfig, p: dict[str, np.ndarray], g: dict[str, np.ndarray],
+                   bsz: int, t: int, dlogits: np.ndarray, work: _Work, half: _Rows, k: int,
+                   split: bool) -> None:
+    """The chain of dL/dx for ``half``'s rows, from its dlogits rows down to the
+    embeddings. Keeps what the weight gradients need per layer: dL/d(MLP output) in
+    "dxm", dL/du in "u" (u is not needed after the GELU's backward), dL/d(attention
+    output) in "dxa", dL/dqkv in "dqkv", dL/d(embedding) in "dxe"."""
     c, h = cfg.width, cfg.heads
     d = c // h
     n = bsz * t
+    b, r = half.size, half.r
     scale = dlogits.dtype.type(1.0 / math.sqrt(d))
-    tmp, col = work("tmp", (n, c)), work("col", (n, 1))
-    hf = work("hf", (n, c))
-    np.matmul(hf.T, dlogits, out=g["head.w"])
-    dx = work("dx", (n, c))
+    tmp, col = work("tmp", (n, c))[r], work("col", (n, 1))[r]
+    dx = work("dxm", (n, c), cfg.layers - 1)[r]
     np.matmul(dlogits, p["head.w"].T, out=dx)
-    _layernorm_back(dx, p["lnf.g"], work("xhatf", (n, c)), work("rstdf", (n, 1)),
-                    g["lnf.g"], g["lnf.b"], tmp, col)
-    dh = work("dh", (n, c))
-    da = work("da", (n, 4 * c))
-    s1, s2 = work("s1", (n, 4 * c)), work("s2", (n, 4 * c))
-    datt, tmp4 = work("datt", (bsz, h, t, t)), work("tmp4", (bsz, h, t, t))
-    col4 = work("col4", (bsz, h, t, 1))
-    dqkv = work("dqkv", (n, 3 * c))
-    d5 = dqkv.reshape(bsz, t, 3, h, d).transpose(2, 0, 3, 1, 4)  # three [B, H, T, D] views
+    _layernorm_back(dx, p["lnf.g"], work("xhatf", (n, c))[r], work("rstdf", (n, 1))[r],
+                    *_ln_grads(work, g, "lnf", k, split), tmp, col)
+    dh = work("dh", (n, c))[r]
+    da = work("da", (n, 4 * c))[r]
+    s1, s2 = work("s1", (n, 4 * c))[r], work("s2", (n, 4 * c))[r]
+    datt, tmp4 = work("datt", (bsz, h, t, t))[half.b], work("tmp4", (bsz, h, t, t))[half.b]
+    col4 = work("col4", (bsz, h, t, 1))[half.b]
     for i in reversed(range(cfg.layers)):
         q_ = f"h{i}."
+        dxm = work("dxm", (n, c), i)[r]
         # MLP
-        np.matmul(work("a", (n, 4 * c), i).T, dx, out=g[q_ + "mlp.w_out"])
-        np.sum(dx, axis=0, out=g[q_ + "mlp.b_out"])
-        np.matmul(dx, p[q_ + "mlp.w_out"].T, out=da)
-        du = _gelu_back(da, work("u", (n, 4 * c), i), work("tanh", (n, 4 * c), i), s1, s2)
-        np.matmul(work("h2", (n, c), i).T, du, out=g[q_ + "mlp.w_in"])
-        np.sum(du, axis=0, out=g[q_ + "mlp.b_in"])
+        np.matmul(dxm, p[q_ + "mlp.w_out"].T, out=da)
+        u = work("u", (n, 4 * c), i)[r]
+        du = _gelu_back(da, u, work("tanh", (n, 4 * c), i)[r], s1, s2, out=u)
         np.matmul(du, p[q_ + "mlp.w_in"].T, out=dh)
-        dx += _layernorm_back(dh, p[q_ + "ln2.g"], work("xhat2", (n, c), i),
-                              work("rstd2", (n, 1), i), g[q_ + "ln2.g"], g[q_ + "ln2.b"],
-                              tmp, col)
+        _layernorm_back(dh, p[q_ + "ln2.g"], work("xhat2", (n, c), i)[r],
+                        work("rstd2", (n, 1), i)[r], *_ln_grads(work, g, q_ + "ln2", k, split),
+                        tmp, col)
+        dxa = work("dxa", (n, c), i)[r]
+        np.add(dxm, dh, out=dxa)
         # attention
-        att = work("att", (bsz, h, t, t), i)
-        q5 = work("qkv", (n, 3 * c), i).reshape(bsz, t, 3, h, d).transpose(2, 0, 3, 1, 4)
-        np.matmul(work("y", (n, c), i).T, dx, out=g[q_ + "attn.w_out"])
-        np.sum(dx, axis=0, out=g[q_ + "attn.b_out"])
-        np.matmul(dx, p[q_ + "attn.w_out"].T, out=dh)
-        dy = dh.reshape(bsz, t, h, d).transpose(0, 2, 1, 3)
+        att = work("att", (bsz, h, t, t), i)[half.b]
+        q5 = work("qkv", (n, 3 * c), i)[r].reshape(b, t, 3, h, d).transpose(2, 0, 3, 1, 4)
+        dqkv = work("dqkv", (n, 3 * c), i)[r]
+        d5 = dqkv.reshape(b, t, 3, h, d).transpose(2, 0, 3, 1, 4)  # three [B, H, T, D]
+        np.matmul(dxa, p[q_ + "attn.w_out"].T, out=dh)
+        dy = dh.reshape(b, t, h, d).transpose(0, 2, 1, 3)
         np.matmul(dy, q5[2].transpose(0, 1, 3, 2), out=datt)
         np.matmul(att.transpose(0, 1, 3, 2), dy, out=d5[2])
         # softmax backward: ds = att * (datt - sum(datt * att))
@@ -559,17 +602,70 @@ def _backward(cfg: ModelConfig, p: dict[str, np.ndarray], g: dict[str, np.ndarra
         datt *= att
         np.matmul(datt, q5[1], out=d5[0])
         d5[0] *= scale
-        np.matmul(datt.transpose(0, 1, 3, 2), work("qs", (bsz, h, t, d), i), out=d5[1])
-        np.matmul(work("h1", (n, c), i).T, dqkv, out=g[q_ + "attn.w_qkv"])
-        np.sum(dqkv, axis=0, out=g[q_ + "attn.b_qkv"])
+        np.matmul(datt.transpose(0, 1, 3, 2), work("qs", (bsz, h, t, d), i)[half.b],
+                  out=d5[1])
         np.matmul(dqkv, p[q_ + "attn.w_qkv"].T, out=dh)
-        dx += _layernorm_back(dh, p[q_ + "ln1.g"], work("xhat1", (n, c), i),
-                              work("rstd1", (n, 1), i), g[q_ + "ln1.g"], g[q_ + "ln1.b"],
-                              tmp, col)
-    np.sum(dx.reshape(bsz, t, c), axis=0, out=g["wpe"][:t])
-    g["wpe"][t:] = 0
-    g["wte"][...] = 0
-    _scatter_rows(g["wte"], tokens.reshape(-1), dx)
+        _layernorm_back(dh, p[q_ + "ln1.g"], work("xhat1", (n, c), i)[r],
+                        work("rstd1", (n, 1), i)[r], *_ln_grads(work, g, q_ + "ln1", k, split),
+                        tmp, col)
+        np.add(dxa, dh, out=work("dxm", (n, c), i - 1)[r] if i else work("dxe", (n, c))[r])
+
+
+def _weight_jobs(cfg: ModelConfig, g: dict[str, np.ndarray], work: _Work, n: int,
+                 dlogits: np.ndarray) -> list[tuple[int, Any]]:
+    """(cost, job) for every whole-batch weight and bias gradient."""
+    c = cfg.width
+    jobs: list[tuple[int, Any]] = []
+
+    def gemm(name: str, a: np.ndarray, b: np.ndarray) -> None:
+        # dW = a.T @ b over all rows: one GEMM on one thread, whatever the core count
+        jobs.append((a.shape[1] * b.shape[1],
+                     lambda: np.matmul(a.T, b, out=g[name])))
+
+    def bias(name: str, b: np.ndarray) -> None:
+        jobs.append((0, lambda: np.sum(b, axis=0, out=g[name])))
+
+    gemm("head.w", work("hf", (n, c)), dlogits)
+    for i in range(cfg.layers):
+        q_ = f"h{i}."
+        dxm, du = work("dxm", (n, c), i), work("u", (n, 4 * c), i)
+        dxa, dqkv = work("dxa", (n, c), i), work("dqkv", (n, 3 * c), i)
+        gemm(q_ + "mlp.w_out", work("a", (n, 4 * c), i), dxm)
+        bias(q_ + "mlp.b_out", dxm)
+        gemm(q_ + "mlp.w_in", work("h2", (n, c), i), du)
+        bias(q_ + "mlp.b_in", du)
+        gemm(q_ + "attn.w_out", work("y", (n, c), i), dxa)
+        bias(q_ + "attn.b_out", dxa)
+        gemm(q_ + "attn.w_qkv", work("h1", (n, c), i), dqkv)
+        bias(q_ + "attn.b_qkv", dqkv)
+    return jobs
+
+
+def _weight_grads(cfg: ModelConfig, g: dict[str, np.ndarray], tokens: np.ndarray,
+                  work: _Work, dlogits: np.ndarray, split: bool) -> None:
+    """Every gradient that sums over all rows, from what ``_backward_rows`` kept: the
+    jobs are dealt to two lists of about equal cost (one per core)."""
+    bsz, t = tokens.shape
+    n = bsz * t
+    lists: list[list[Any]] = [[], []]
+    load = [0, 0]
+    for cost, job in _weight_jobs(cfg, g, work, n, dlogits):
+        k = 0 if load[0] <= load[1] else 1
+        lists[k].append(job)
+        load[k] += cost
+
+    def embeddings() -> None:
+        dxe = work("dxe", (n, cfg.width))
+        np.sum(dxe.reshape(bsz, t, cfg.width), axis=0, out=g["wpe"][:t])
+        g["wpe"][t:] = 0
+        g["wte"][...] = 0
+        _scatter_rows(g["wte"], tokens.reshape(-1), dxe)
+        if split:
+            for name in _ln_names(cfg):
+                _ln_finish(work, g, name)
+
+    lists[1].append(embeddings)
+    parallel.both(lambda: [job() for job in lists[0]], lambda: [job() for job in lists[1]])
 
 
 # --------------------------------------------------------------------------- API
@@ -580,7 +676,7 @@ def _work_key(cfg: ModelConfig, tokens: np.ndarray, mode: _Mode, keep: bool
 
 
 def _halves(bsz: int) -> list[slice]:
-    """The batch rows of each half a step is computed in: fixed by the batch size alone
+    """The batch rows of each half a call is computed in: fixed by the batch size alone
     (never by the core count), so the bits do not depend on how many cores ran it."""
     if bsz < 2:
         return [slice(0, bsz)]
@@ -588,23 +684,24 @@ def _halves(bsz: int) -> list[slice]:
     return [slice(0, mid), slice(mid, bsz)]
 
 
-def _in_halves(cfg: ModelConfig, tokens: np.ndarray, mode: _Mode, keep: bool,
-               body: Any, finish: Any = None) -> None:
-    """``body(half index, rows, workspace)`` for each half, in parallel when two cores
-    are allowed (``daisyweb.parallel``); then ``finish(workspaces)`` on this thread."""
-    parts = _halves(tokens.shape[0])
-    works = [_take(_work_key(cfg, tokens[rows], mode, keep)) for rows in parts]
-    try:
-        if len(parts) == 1:
-            body(0, parts[0], works[0])
-        else:
-            parallel.both(lambda: body(0, parts[0], works[0]),
-                          lambda: body(1, parts[1], works[1]))
-        if finish is not None:
-            finish(works)
-    finally:
-        for work in works:
-            _give(work)
+def _in_halves(tokens: np.ndarray, body: Any) -> None:
+    """``body(half index, _Rows)`` for each half, in parallel when two cores are allowed
+    (``daisyweb.parallel``)."""
+    t = tokens.shape[1]
+    parts = [_Rows(rows, t) for rows in _halves(tokens.shape[0])]
+    if len(parts) == 1:
+        body(0, parts[0])
+    else:
+        parallel.both(lambda: body(0, parts[0]), lambda: body(1, parts[1]))
+
+
+def _whole_forward(mode: _Mode) -> bool:
+    """On one core, run the forward over the whole batch at once (half the calls): the
+    same bits as by halves, because with int8 linear layers every forward operation is
+    row by row (exact GEMMs, per-row scales, per-sequence attention GEMMs, row-wise
+    LayerNorm and softmax, elementwise GELU). The float path keeps the halves: a float
+    GEMM's rounding may depend on how many rows it is given."""
+    return mode.quantized and parallel.cores() < 2
 
 
 def forward(cfg: ModelConfig, params: np.ndarray, tokens: np.ndarray, *,
@@ -614,15 +711,21 @@ def forward(cfg: ModelConfig, params: np.ndarray, tokens: np.ndarray, *,
     flat = _check_params(cfg, params, exact)
     tokens = _check_tokens(cfg, tokens, "tokens", cfg.seq)
     bsz, t = tokens.shape
-    logits = np.empty((bsz, t, cfg.vocab), mode.dt)  # the caller's: fresh
+    logits = np.empty((bsz * t, cfg.vocab), mode.dt)  # the caller's: fresh
     p = views(cfg, flat)
+    work = _take(_work_key(cfg, tokens, mode, False))
 
-    def body(_: int, rows: slice, work: _Work) -> None:
-        out = logits[rows].reshape(-1, cfg.vocab)
-        _forward(cfg, p, tokens[rows], mode, work, False, out)
+    def body(_: int, half: _Rows) -> None:
+        _forward(cfg, p, tokens, mode, work, False, logits[half.r], half)
 
-    _in_halves(cfg, tokens, mode, False, body)
-    return logits
+    try:
+        if _whole_forward(mode):
+            body(0, _Rows(slice(0, bsz), t))
+        else:
+            _in_halves(tokens, body)
+    finally:
+        _give(work)
+    return logits.reshape(bsz, t, cfg.vocab)
 
 
 def _split_batch(cfg: ModelConfig, batch: Any) -> tuple[np.ndarray, np.ndarray]:
@@ -630,7 +733,7 @@ def _split_batch(cfg: ModelConfig, batch: Any) -> tuple[np.ndarray, np.ndarray]:
     if batch.shape[1] < 2:
         raise ValueError(f"batch must have at least 2 columns (inputs + targets), "
                          f"got shape {batch.shape}")
-    return batch[:, :-1], batch[:, 1:]
+    return batch[:, :-1], batch[:, 1:].reshape(-1)
 
 
 def _check_out(out: Any, flat: np.ndarray, dt: np.dtype) -> np.ndarray:
@@ -653,41 +756,38 @@ def loss_and_grad(cfg: ModelConfig, params: np.ndarray, batch: np.ndarray, *,
     ``params``: float32, or float64 with ``exact`` (float64 reference, no quantization).
     It is a fresh array, or ``out`` (every element overwritten) if given: a training loop
     that hands the same buffer every step allocates nothing per step.
-
-    The batch is computed in two halves of rows (``_halves``), each into its own gradient,
-    and the gradient is their elementwise sum (first half + second half); the loss is the
-    mean of every row's loss, the same bits as one pass over the whole batch.
     """
     mode = _Mode(exact, quantized)
     flat = _check_params(cfg, params, exact)
     inputs, targets = _split_batch(cfg, batch)
     grad = np.empty(flat.size, mode.dt) if out is None else _check_out(out, flat, mode.dt)
-    p = views(cfg, flat)
-    nll = np.empty(targets.shape, mode.dt)
+    p, g = views(cfg, flat), views(cfg, grad)
+    bsz, t = inputs.shape
+    split = bsz > 1
+    nll = np.empty(targets.size, mode.dt)
+    work = _take(_work_key(cfg, inputs, mode, True))
+    try:
+        logits = work("logits", (targets.size, cfg.vocab))
 
-    def body(k: int, rows: slice, work: _Work) -> None:
-        part = inputs[rows]
-        logits = work("logits", (part.size, cfg.vocab))
-        _forward(cfg, p, part, mode, work, True, logits)
-        _cross_entropy(logits, targets[rows].reshape(-1), True, targets.size,
-                       nll[rows].reshape(-1))
-        # the second half's gradient lives in its workspace until it is summed in
-        _backward(cfg, p, views(cfg, work("grad", grad.shape) if k else grad), part,
-                  logits, work)
+        def forward_rows(half: _Rows) -> None:
+            lg = logits[half.r]
+            _forward(cfg, p, inputs, mode, work, True, lg, half)
+            _cross_entropy(lg, targets[half.r], True, targets.size, nll[half.r])
 
-    def finish(works: list[_Work]) -> None:
-        if len(works) == 2:
-            _add_halves(grad, works[1]("grad", grad.shape))
+        whole = _whole_forward(mode)
+        if whole:
+            forward_rows(_Rows(slice(0, bsz), t))
 
-    _in_halves(cfg, inputs, mode, True, body, finish)
+        def body(k: int, half: _Rows) -> None:
+            if not whole:
+                forward_rows(half)
+            _backward_rows(cfg, p, g, bsz, t, logits[half.r], work, half, k, split)
+
+        _in_halves(inputs, body)
+        _weight_grads(cfg, g, inputs, work, logits, split)
+    finally:
+        _give(work)
     return float(np.mean(nll, dtype=np.float64)), grad
-
-
-def _add_halves(grad: np.ndarray, second: np.ndarray) -> None:
-    """grad += second, elementwise (the two ranges of the vector on two cores)."""
-    mid = grad.size // 2
-    parallel.both(lambda: np.add(grad[:mid], second[:mid], out=grad[:mid]),
-                  lambda: np.add(grad[mid:], second[mid:], out=grad[mid:]))
 
 
 def loss_only(cfg: ModelConfig, params: np.ndarray, batch: np.ndarray, *,
@@ -697,14 +797,21 @@ def loss_only(cfg: ModelConfig, params: np.ndarray, batch: np.ndarray, *,
     flat = _check_params(cfg, params, exact)
     inputs, targets = _split_batch(cfg, batch)
     p = views(cfg, flat)
-    nll = np.empty(targets.shape, mode.dt)
+    bsz, t = inputs.shape
+    nll = np.empty(targets.size, mode.dt)
+    work = _take(_work_key(cfg, inputs, mode, False))
+    try:
+        logits = work("logits", (targets.size, cfg.vocab))
 
-    def body(_: int, rows: slice, work: _Work) -> None:
-        part = inputs[rows]
-        logits = work("logits", (part.size, cfg.vocab))
-        _forward(cfg, p, part, mode, work, False, logits)
-        _cross_entropy(logits, targets[rows].reshape(-1), False, targets.size,
-                       nll[rows].reshape(-1))
+        def body(_: int, half: _Rows) -> None:
+            lg = logits[half.r]
+            _forward(cfg, p, inputs, mode, work, False, lg, half)
+            _cross_entropy(lg, targets[half.r], False, targets.size, nll[half.r])
 
-    _in_halves(cfg, inputs, mode, False, body)
+        if _whole_forward(mode):
+            body(0, _Rows(slice(0, bsz), t))
+        else:
+            _in_halves(inputs, body)
+    finally:
+        _give(work)
     return float(np.mean(nll, dtype=np.float64))
