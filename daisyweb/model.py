@@ -305,6 +305,7 @@ class _Work:
     def __init__(self, key: tuple[Any, ...]) -> None:
         self.key = key
         self._bufs: dict[tuple[str, int], np.ndarray] = {}
+        self._causal: np.ndarray | None = None
         self.dt: np.dtype = key[-1]
 
     def __call__(self, name: str, shape: tuple[int, ...], layer: int = 0,
@@ -317,12 +318,18 @@ class _Work:
         return buf
 
     def causal(self, t: int) -> np.ndarray:
-        """The additive causal mask [t, t]: 0 on and below the diagonal, -inf above."""
-        if ("causal", 0) not in self._bufs:
+        """The additive causal mask [t, t]: 0 on and below the diagonal, -inf above (a
+        constant, made once; not one of the buffers a call writes)."""
+        if self._causal is None:
             bias = np.zeros((t, t), dtype=self.dt)
             bias[np.triu_indices(t, 1)] = -np.inf
-            self._bufs[("causal", 0)] = bias
-        return self._bufs[("causal", 0)]
+            bias.flags.writeable = False
+            self._causal = bias
+        return self._causal
+
+    def buffers(self) -> list[np.ndarray]:
+        """Every buffer a call writes (tests poison them to show nothing leaks)."""
+        return list(self._bufs.values())
 
 
 _POOL_MAX = 2  # idle workspaces kept (training batch + one evaluation shape)
