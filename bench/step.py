@@ -264,7 +264,7 @@ def measure(case: Case, threads: int, rounds: int, reps: int) -> dict[str, Any]:
                 times[name].append(run_w.ask(f"run {reps}")["s"])
                 idle.append(idle_w.cpu() - c0)
                 time.sleep(SETTLE_S)
-        phases = np_w.ask(f"phases {PHASE_STEPS}")
+        phases = np_w.ask(f"phases {PHASE_STEPS}") if threads == 1 else None
         info = {"numpy": np_w.info, "torch": th_w.info}
     finally:
         np_w.close()
@@ -349,6 +349,8 @@ def phase_table(results: list[dict[str, Any]]) -> str:
              "|---:|---|" + "---:|" * (len(PHASES) + 1)]
     for r in results:
         ph = r["phases"]
+        if ph is None:
+            continue
         cells = " | ".join(f"{ph[k] * 1e3:.1f} ({ph[k] / ph['total']:.0%})" for k in PHASES)
         lines.append(f"| {r['threads']} | {r['case'].label} | {cells} "
                      f"| {ph['total'] * 1e3:.1f} |")
@@ -399,8 +401,10 @@ def main(argv: list[str] | None = None) -> None:
         f"DaisyAdam; PyTorch {info['torch']['torch']} runs the same model, initial weights "
         f"and batch in float32 with autograd and `torch.optim.AdamW`. Each side runs in its "
         f"own worker process with OPENBLAS_NUM_THREADS = OMP_NUM_THREADS = "
-        f"`torch.set_num_threads` = the row's threads; {rounds} interleaved rounds of "
-        f"{reps} steps each after 2 warm-up steps, {SETTLE_S} s pause after each segment "
+        f"`torch.set_num_threads` = the row's threads (daisyweb then uses that many cores: "
+        f"two halves of the batch on two threads, BLAS at one thread per call); "
+        f"{rounds} interleaved rounds of {reps} steps each after 2 warm-up steps, "
+        f"{SETTLE_S} s pause after each segment "
         f"so neither side's spinning BLAS threads run into the other's. Checks: the idle "
         f"worker's CPU time during the other's segments (last column; ~0 means no "
         f"spinning), and PyTorch's median in a solo run with no numpy worker alive next "
@@ -410,8 +414,9 @@ def main(argv: list[str] | None = None) -> None:
         "",
         f"Slowest ratio (median): **{worst:.2f}x** (bar: >= 1.0x at every row).",
         "",
-        f"Where the daisyweb step goes ({PHASE_STEPS} instrumented steps in the numpy "
-        f"worker after the timed rounds; ms per step and share):",
+        f"Where the daisyweb step goes at one thread ({PHASE_STEPS} instrumented steps in "
+        f"the numpy worker after the timed rounds; ms per step and share; on two cores "
+        f"the phases overlap, see `daisyweb.parallel`):",
         "",
         phase_table(results),
         "",
