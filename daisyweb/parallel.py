@@ -90,6 +90,15 @@ def cores() -> int:
 _local = threading.local()
 
 
+def _forget_after_fork() -> None:
+    """A forked child has no helper thread: decide afresh on first use."""
+    global _pool, _cores, _lock
+    _pool, _cores, _lock = None, 0, threading.Lock()
+
+
+os.register_at_fork(after_in_child=_forget_after_fork)
+
+
 def _as_helper(fn: Callable[[], Any]) -> None:
     _local.helper = True
     fn()
