@@ -30,6 +30,9 @@ Speed: a call allocates no activation. Every activation, cache and backward scra
 lives in a workspace (``_Work``) kept for the next call with the same config and batch
 shape; ``loss_and_grad(..., out=grad)`` also reuses the gradient. Each buffer is written
 before it is read in every call, so results do not depend on what a workspace held.
+A batch is computed in two fixed halves of rows, on two cores when ``daisyweb.parallel``
+allows it, and the weight gradients over the whole batch afterwards (see "model" below):
+the bits depend on the batch size, never on the core count.
 """
 
 from __future__ import annotations
