@@ -377,7 +377,7 @@ def main(argv: list[str] | None = None) -> None:
     if args.worker:
         worker(args.worker[0], args.worker[1], int(args.worker[2]))
         return
-    rounds, reps = (2, 1) if args.quick else (7, 3)
+    rounds, reps = (2, 1) if args.quick else (9, 3)
     cases = [DEFAULT] if args.quick else [DEFAULT, WIDE]
     load_before = _load()
     rss, hwm = measure_rss()
