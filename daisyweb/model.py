@@ -773,7 +773,7 @@ def loss_and_grad(cfg: ModelConfig, params: np.ndarray, batch: np.ndarray, *,
     grad = np.empty(flat.size, mode.dt) if out is None else _check_out(out, flat, mode.dt)
     p, g = views(cfg, flat), views(cfg, grad)
     bsz, t = inputs.shape
-    split = bsz > 1
+    split = len(_halves(bsz)) > 1
     nll = np.empty(targets.size, mode.dt)
     work = _take(_work_key(cfg, inputs, mode, True))
     try:
