@@ -24,17 +24,29 @@ Modes of ``forward`` / ``loss_and_grad`` / ``loss_only``:
 
 Replicas stay identical because every peer applies the same averaged gradient bytes,
 so the backward may use any float32 BLAS; ``init_params`` is bit-identical everywhere.
+The model's own reductions (means, sums, softmax) are numpy's, in a fixed order.
+
+Speed: a call allocates no activation. Every activation, cache and backward scratch
+lives in a workspace (``_Work``) kept for the next call with the same config and batch
+shape; ``loss_and_grad(..., out=grad)`` also reuses the gradient. Each buffer is written
+before it is read in every call, so results do not depend on what a workspace held.
+A batch is computed in two fixed halves of rows, on two cores when ``daisyweb.parallel``
+allows it, and the weight gradients over the whole batch afterwards (see "model" below):
+the bits depend on the batch size, never on the core count.
 """
 
 from __future__ import annotations
 
+import functools
 import math
+import threading
 from dataclasses import asdict, dataclass
 from typing import Any
 
 import numpy as np
 
 import kernels
+from daisyweb import parallel
 from daisyweb.checkpoints.quote import short_repr
 from daisyweb.rules import DEFAULTS, MAX_LAYERS, MAX_PARAMS, MODEL_FIELDS, check_model
 
@@ -104,6 +116,13 @@ def _check_size(cfg: ModelConfig) -> None:
 
 def param_layout(cfg: ModelConfig) -> list[tuple[str, tuple[int, ...]]]:
     """Names and shapes of every parameter, in buffer order."""
+    return [(name, shape) for name, shape, _ in _layout(cfg)]
+
+
+@functools.lru_cache(maxsize=16)
+def _layout(cfg: ModelConfig) -> tuple[tuple[str, tuple[int, ...], int], ...]:
+    """(name, shape, offset) of every parameter, built once per config (views() runs
+    twice a step)."""
     w, v = cfg.width, cfg.vocab
     out: list[tuple[str, tuple[int, ...]]] = [("wte", (v, w)), ("wpe", (cfg.seq, w))]
     for i in range(cfg.layers):
@@ -117,17 +136,16 @@ def param_layout(cfg: ModelConfig) -> list[tuple[str, tuple[int, ...]]]:
             (p + "mlp.w_out", (4 * w, w)), (p + "mlp.b_out", (w,)),
         ]
     out += [("lnf.g", (w,)), ("lnf.b", (w,)), ("head.w", (w, v))]
-    return out
+    offsets, total = [], 0
+    for name, shape in out:
+        offsets.append((name, shape, total))
+        total += math.prod(shape)
+    return tuple(offsets)
 
 
 def param_count(cfg: ModelConfig) -> int:
-    total = 0
-    for _, shape in param_layout(cfg):
-        n = 1
-        for d in shape:
-            n *= d
-        total += n
-    return total
+    name, shape, offset = _layout(cfg)[-1]
+    return offset + math.prod(shape)
 
 
 # --------------------------------------------------------------------------- init
@@ -215,13 +233,8 @@ def views(cfg: ModelConfig, flat: np.ndarray) -> dict[str, np.ndarray]:
         raise ValueError(f"flat parameters must be a 1-d array of {n} values, got {got}")
     if not flat.flags.c_contiguous:
         raise ValueError("flat parameters must be C-contiguous")
-    out: dict[str, np.ndarray] = {}
-    offset = 0
-    for name, shape in param_layout(cfg):
-        size = math.prod(shape)
-        out[name] = flat[offset:offset + size].reshape(shape)
-        offset += size
-    return out
+    return {name: flat[offset:offset + math.prod(shape)].reshape(shape)
+            for name, shape, offset in _layout(cfg)}
 
 
 # --------------------------------------------------------------------------- checks
@@ -270,187 +283,436 @@ class _Mode:
         self.dt = np.dtype(np.float64 if exact else np.float32)
         self.quantized = quantized and not exact
 
-    def linear(self, x: np.ndarray, w: np.ndarray, b: np.ndarray | None) -> np.ndarray:
+    def linear(self, x: np.ndarray, w: np.ndarray, b: np.ndarray | None,
+               out: np.ndarray) -> np.ndarray:
         # The forward of every linear layer is the verified int8 GEMM; the backward
         # treats it as x @ w (straight-through).
-        y = kernels.int8_matmul(x, w) if self.quantized else x @ w
+        if self.quantized:
+            kernels.int8_matmul(x, w, out=out)
+        else:
+            np.matmul(x, w, out=out)
         if b is not None:
-            y += b
-        return y
+            out += b
+        return out
 
 
-def _layernorm(x: np.ndarray, g: np.ndarray, b: np.ndarray
-               ) -> tuple[np.ndarray, tuple[np.ndarray, np.ndarray]]:
-    mu = x.mean(axis=-1, keepdims=True)
-    xc = x - mu
-    var = np.mean(xc * xc, axis=-1, keepdims=True)
-    rstd = 1.0 / np.sqrt(var + x.dtype.type(_LN_EPS))
-    xhat = xc * rstd
-    return xhat * g + b, (xhat, rstd)
+class _Work:
+    """Every array one call of the model needs, for one (config, batch shape, dtype).
+
+    A training step allocates nothing big: activations, their caches for the backward
+    and the backward's scratch are these buffers, made on first use and reused by the
+    next call with the same key (``_take``/``_give``). Whatever a call reads it wrote
+    first in the same call, so nothing leaks from one call into the next.
+    """
+
+    def __init__(self, key: tuple[Any, ...]) -> None:
+        self.key = key
+        self._bufs: dict[tuple[str, int], np.ndarray] = {}
+        self._causal: np.ndarray | None = None
+        self.dt: np.dtype = key[-1]
+
+    def __call__(self, name: str, shape: tuple[int, ...], layer: int = 0,
+                 dtype: Any = None) -> np.ndarray:
+        buf = self._bufs.get((name, layer))
+        if buf is None:
+            buf = self._bufs[(name, layer)] = np.empty(shape, dtype or self.dt)
+        elif buf.shape != shape:  # two uses of one name: a bug, not a user error
+            raise AssertionError(f"workspace {name} is {buf.shape}, asked for {shape}")
+        return buf
+
+    def causal(self, t: int) -> np.ndarray:
+        """The additive causal mask [t, t]: 0 on and below the diagonal, -inf above (a
+        constant, made once; not one of the buffers a call writes)."""
+        if self._causal is None:
+            bias = np.zeros((t, t), dtype=self.dt)
+            bias[np.triu_indices(t, 1)] = -np.inf
+            bias.flags.writeable = False
+            self._causal = bias
+        return self._causal
+
+    def buffers(self) -> list[np.ndarray]:
+        """Every buffer a call writes (tests poison them to show nothing leaks)."""
+        return list(self._bufs.values())
 
 
-def _layernorm_back(dy: np.ndarray, g: np.ndarray, cache: tuple[np.ndarray, np.ndarray],
-                    dg: np.ndarray, db: np.ndarray) -> np.ndarray:
-    xhat, rstd = cache
-    dg[...] = np.sum(dy * xhat, axis=0)
-    db[...] = np.sum(dy, axis=0)
-    dxhat = dy * g
-    a = dxhat.mean(axis=-1, keepdims=True)
-    c = np.mean(dxhat * xhat, axis=-1, keepdims=True)
-    dxhat -= a
-    dxhat -= xhat * c
-    dxhat *= rstd
-    return dxhat
+_POOL_MAX = 2  # idle workspaces kept (training batch + one evaluation shape)
+_pool: list[_Work] = []
+_pool_lock = threading.Lock()
 
 
-def _gelu(u: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    """GELU, tanh approximation; returns (gelu(u), tanh term) for the backward."""
+def _take(key: tuple[Any, ...]) -> _Work:
+    """An idle workspace for ``key`` (a new one if none is idle): one per running call,
+    so calls on several threads never share buffers."""
+    with _pool_lock:
+        for i in range(len(_pool) - 1, -1, -1):
+            if _pool[i].key == key:
+                return _pool.pop(i)
+    return _Work(key)
+
+
+def _give(work: _Work) -> None:
+    with _pool_lock:
+        _pool.append(work)
+        del _pool[:-_POOL_MAX]
+
+
+def _layernorm(x: np.ndarray, g: np.ndarray, b: np.ndarray, out: np.ndarray,
+               xhat: np.ndarray, rstd: np.ndarray, tmp: np.ndarray) -> None:
+    """out = LN(x) * g + b; keeps xhat and rstd [n, 1] for the backward."""
+    np.mean(x, axis=-1, keepdims=True, out=rstd)
+    np.subtract(x, rstd, out=xhat)  # xc
+    np.multiply(xhat, xhat, out=tmp)
+    np.mean(tmp, axis=-1, keepdims=True, out=rstd)  # var
+    rstd += x.dtype.type(_LN_EPS)
+    np.sqrt(rstd, out=rstd)
+    np.divide(1.0, rstd, out=rstd)
+    xhat *= rstd
+    np.multiply(xhat, g, out=out)
+    out += b
+
+
+def _layernorm_back(dy: np.ndarray, g: np.ndarray, xhat: np.ndarray, rstd: np.ndarray,
+                    dg: np.ndarray, db: np.ndarray, tmp: np.ndarray, col: np.ndarray
+                    ) -> np.ndarray:
+    """dL/dx into ``dy`` (overwritten); fills dg, db. ``col`` is [n, 1] scratch."""
+    np.multiply(dy, xhat, out=tmp)
+    np.sum(tmp, axis=0, out=dg)
+    np.sum(dy, axis=0, out=db)
+    dy *= g  # dxhat
+    np.multiply(dy, xhat, out=tmp)
+    np.mean(tmp, axis=-1, keepdims=True, out=col)  # c
+    np.multiply(xhat, col, out=tmp)
+    np.mean(dy, axis=-1, keepdims=True, out=col)  # a
+    dy -= col
+    dy -= tmp
+    dy *= rstd
+    return dy
+
+
+def _gelu(u: np.ndarray, out: np.ndarray, t: np.ndarray) -> None:
+    """out = GELU(u), tanh approximation; t keeps the tanh term for the backward."""
     f = u.dtype.type
-    inner = u * u
-    inner *= f(_GELU_C)
-    inner += f(1.0)
-    inner *= u
-    inner *= f(_SQRT_2_OVER_PI)
-    t = np.tanh(inner, out=inner)
-    a = t + f(1.0)
-    a *= u
-    a *= f(0.5)
-    return a, t
+    np.multiply(u, u, out=t)
+    t *= f(_GELU_C)
+    t += f(1.0)
+    t *= u
+    t *= f(_SQRT_2_OVER_PI)
+    np.tanh(t, out=t)
+    np.add(t, f(1.0), out=out)
+    out *= u
+    out *= f(0.5)
 
 
-def _gelu_back(da: np.ndarray, u: np.ndarray, t: np.ndarray) -> np.ndarray:
+def _gelu_back(da: np.ndarray, u: np.ndarray, t: np.ndarray, s1: np.ndarray,
+               s2: np.ndarray, out: np.ndarray) -> np.ndarray:
+    """dL/du into ``out`` (may be u: it is read before the last write); s1, s2 scratch."""
     f = u.dtype.type
     # d/du 0.5 u (1 + t) = 0.5 (1 + t) + 0.5 u (1 - t^2) s (1 + 3 c u^2)
-    du = u * u
-    du *= f(3.0 * _GELU_C)
-    du += f(1.0)
-    du *= f(_SQRT_2_OVER_PI)
-    du *= u
-    du *= f(1.0) - t * t
-    du += t
-    du += f(1.0)
-    du *= f(0.5)
-    du *= da
-    return du
-
-
-def _causal_bias(t: int, dt: np.dtype) -> np.ndarray:
-    bias = np.zeros((t, t), dtype=dt)
-    bias[np.triu_indices(t, 1)] = -np.inf
-    return bias
+    np.multiply(u, u, out=s1)
+    s1 *= f(3.0 * _GELU_C)
+    s1 += f(1.0)
+    s1 *= f(_SQRT_2_OVER_PI)
+    s1 *= u
+    np.multiply(t, t, out=s2)
+    np.subtract(f(1.0), s2, out=s2)
+    s1 *= s2
+    s1 += t
+    s1 += f(1.0)
+    s1 *= f(0.5)
+    return np.multiply(s1, da, out=out)
 
 
 # --------------------------------------------------------------------------- model
+#
+# A call computes its batch in two halves of rows (``_halves``), in parallel when two
+# cores are allowed. Every buffer of the workspace is full-batch; a half reads and writes
+# only its own rows of it. Row-wise work (forward, loss, the backward's chain of dL/dx)
+# runs per half; the weight gradients, which sum over all rows, run afterwards on the
+# whole batch (``_weight_grads``), one tensor per GEMM. LayerNorm gains and biases are
+# the one exception: their column sums are taken per half and added, first half first.
+
+
+class _Rows:
+    """One half's rows: ``b`` (batch rows) and ``r`` (token rows, [B*T] buffers)."""
+
+    def __init__(self, rows: slice, t: int) -> None:
+        self.b = rows
+        self.r = slice(rows.start * t, rows.stop * t)
+        self.size = rows.stop - rows.start
+
 
 def _forward(cfg: ModelConfig, p: dict[str, np.ndarray], tokens: np.ndarray, mode: _Mode,
-             keep: bool) -> tuple[np.ndarray, list[Any]]:
-    """Logits [B*T, vocab] and (if keep) the activations the backward needs."""
+             work: _Work, keep: bool, logits: np.ndarray, half: _Rows) -> None:
+    """Logits of ``half``'s rows into ``logits`` ([half rows * T, vocab]); with ``keep``
+    every layer's activations stay in ``work`` for the backward (without, layers share
+    one set of buffers)."""
     bsz, t = tokens.shape
     c, h = cfg.width, cfg.heads
     d = c // h
     n = bsz * t
     f = mode.dt.type
     scale = f(1.0 / math.sqrt(d))
-    bias = _causal_bias(t, mode.dt)
-    x = (p["wte"][tokens] + p["wpe"][:t]).reshape(n, c)
-    caches: list[Any] = []
+    b, r = half.size, half.r
+    x = work("x", (n, c))[r]
+    np.take(p["wte"], tokens[half.b].reshape(-1), axis=0, out=x, mode="clip")  # ids checked
+    x3 = x.reshape(b, t, c)
+    x3 += p["wpe"][:t]
+    tmp = work("tmp", (n, c))[r]
+    col = work("col4", (bsz, h, t, 1))[half.b]
+    proj = work("proj", (n, c))[r]
+    bias = work.causal(t)
     for i in range(cfg.layers):
         q_ = f"h{i}."
-        h1, ln1 = _layernorm(x, p[q_ + "ln1.g"], p[q_ + "ln1.b"])
-        qkv = mode.linear(h1, p[q_ + "attn.w_qkv"], p[q_ + "attn.b_qkv"])
+        j = i if keep else 0
+        h1 = work("h1", (n, c), j)[r]
+        xhat1, rstd1 = work("xhat1", (n, c), j)[r], work("rstd1", (n, 1), j)[r]
+        _layernorm(x, p[q_ + "ln1.g"], p[q_ + "ln1.b"], h1, xhat1, rstd1, tmp)
+        qkv = mode.linear(h1, p[q_ + "attn.w_qkv"], p[q_ + "attn.b_qkv"],
+                          work("qkv", (n, 3 * c), j)[r])
         # [B, T, 3, H, D] -> three [B, H, T, D] views
-        qkv = qkv.reshape(bsz, t, 3, h, d).transpose(2, 0, 3, 1, 4)
-        qs = qkv[0] * scale  # scaling q (smaller than the scores) is the same math
-        k, v = qkv[1], qkv[2]
-        s = np.matmul(qs, k.transpose(0, 1, 3, 2))
-        s += bias
-        s -= s.max(axis=-1, keepdims=True)
-        att = np.exp(s, out=s)
-        att /= att.sum(axis=-1, keepdims=True)
-        y = np.matmul(att, v).transpose(0, 2, 1, 3).reshape(n, c)
-        x = x + mode.linear(y, p[q_ + "attn.w_out"], p[q_ + "attn.b_out"])
-        h2, ln2 = _layernorm(x, p[q_ + "ln2.g"], p[q_ + "ln2.b"])
-        u = mode.linear(h2, p[q_ + "mlp.w_in"], p[q_ + "mlp.b_in"])
-        a, tanh_u = _gelu(u)
-        x = x + mode.linear(a, p[q_ + "mlp.w_out"], p[q_ + "mlp.b_out"])
-        if keep:
-            caches.append((h1, ln1, qs, k, v, att, y, h2, ln2, u, tanh_u, a))
-    hf, lnf = _layernorm(x, p["lnf.g"], p["lnf.b"])
-    logits = mode.linear(hf, p["head.w"], None)
-    if keep:
-        caches.append((hf, lnf))
-    return logits, caches
+        q5 = qkv.reshape(b, t, 3, h, d).transpose(2, 0, 3, 1, 4)
+        qs = work("qs", (bsz, h, t, d), j)[half.b]
+        np.multiply(q5[0], scale, out=qs)  # scaling q (smaller than the scores): same math
+        att = work("att", (bsz, h, t, t), j)[half.b]
+        np.matmul(qs, q5[1].transpose(0, 1, 3, 2), out=att)
+        att += bias
+        np.max(att, axis=-1, keepdims=True, out=col)
+        att -= col
+        np.exp(att, out=att)
+        np.sum(att, axis=-1, keepdims=True, out=col)
+        att /= col
+        y = work("y", (n, c), j)[r]
+        np.matmul(att, q5[2], out=y.reshape(b, t, h, d).transpose(0, 2, 1, 3))
+        x += mode.linear(y, p[q_ + "attn.w_out"], p[q_ + "attn.b_out"], proj)
+        h2 = work("h2", (n, c), j)[r]
+        xhat2, rstd2 = work("xhat2", (n, c), j)[r], work("rstd2", (n, 1), j)[r]
+        _layernorm(x, p[q_ + "ln2.g"], p[q_ + "ln2.b"], h2, xhat2, rstd2, tmp)
+        u = mode.linear(h2, p[q_ + "mlp.w_in"], p[q_ + "mlp.b_in"],
+                        work("u", (n, 4 * c), j)[r])
+        a, tanh_u = work("a", (n, 4 * c), j)[r], work("tanh", (n, 4 * c), j)[r]
+        _gelu(u, a, tanh_u)
+        x += mode.linear(a, p[q_ + "mlp.w_out"], p[q_ + "mlp.b_out"], proj)
+    hf = work("hf", (n, c))[r]
+    _layernorm(x, p["lnf.g"], p["lnf.b"], hf, work("xhatf", (n, c))[r],
+               work("rstdf", (n, 1))[r], tmp)
+    mode.linear(hf, p["head.w"], None, logits)
 
 
-def _cross_entropy(logits: np.ndarray, targets: np.ndarray, want_grad: bool
-                   ) -> tuple[float, np.ndarray | None]:
-    """Mean next-token cross-entropy; overwrites logits with dloss/dlogits if want_grad."""
+def _cross_entropy(logits: np.ndarray, targets: np.ndarray, want_grad: bool, total: int,
+                   nll: np.ndarray) -> None:
+    """Next-token cross-entropy of each row into ``nll``; with want_grad, logits are
+    overwritten with dloss/dlogits of the mean over ``total`` rows (the whole batch)."""
     n = logits.shape[0]
     rows = np.arange(n)
-    # with want_grad the logits buffer is ours to reuse; otherwise work on a copy
-    z = logits if want_grad else logits.copy()
+    z = logits
     z -= z.max(axis=-1, keepdims=True)
-    picked = z[rows, targets].copy()
+    picked = z[rows, targets]  # fancy indexing: a copy
     e = np.exp(z, out=z)
-    total = e.sum(axis=-1)
-    nll = np.log(total) - picked
-    loss = float(np.mean(nll, dtype=np.float64))
-    if not want_grad:
-        return loss, None
-    e /= total[:, None]
-    e[rows, targets] -= 1.0
-    e *= e.dtype.type(1.0 / n)
-    return loss, e
+    sums = e.sum(axis=-1)
+    np.subtract(np.log(sums), picked, out=nll)
+    if want_grad:
+        e /= sums[:, None]
+        e[rows, targets] -= 1.0
+        e *= e.dtype.type(1.0 / total)
 
 
-def _backward(cfg: ModelConfig, p: dict[str, np.ndarray], g: dict[str, np.ndarray],
-              tokens: np.ndarray, dlogits: np.ndarray, caches: list[Any]) -> None:
-    """Fill the gradient views ``g`` (float matmuls throughout: straight-through)."""
-    bsz, t = tokens.shape
+_SCATTER_RANKS = 64  # past this many repeats of one id, np.add.at itself is faster
+
+
+def _scatter_rows(g: np.ndarray, index: np.ndarray, rows: np.ndarray) -> None:
+    """g[index[i]] += rows[i] for every i in index order (g starts zeroed): what
+    ``np.add.at`` computes, bit for bit, about 8x faster.
+
+    The i-th occurrence of every id is added in pass i: within a pass no id repeats, so
+    one fancy-indexed add does it, and each row of g still sums its rows in index order.
+    """
+    order = np.argsort(index, kind="stable")
+    ids = index[order]
+    first = np.concatenate(([True], ids[1:] != ids[:-1]))
+    starts = np.flatnonzero(first)
+    rank = np.arange(ids.size) - starts[np.cumsum(first) - 1]
+    if rank.max() >= _SCATTER_RANKS:
+        np.add.at(g, index, rows)
+        return
+    ranked = rows[order]
+    for k in range(int(rank.max()) + 1):
+        sel = rank == k
+        g[ids[sel]] += ranked[sel]
+
+
+def _ln_grads(work: _Work, g: dict[str, np.ndarray], name: str, k: int, split: bool
+              ) -> tuple[np.ndarray, np.ndarray]:
+    """Where half ``k`` puts LayerNorm ``name``'s dg and db: the gradient itself for an
+    unsplit batch, else this half's partial sums (added by ``_ln_finish``)."""
+    dg = g[name + ".g"]
+    if not split:
+        return dg, g[name + ".b"]
+    part = work("ln:" + name, (2, 2, dg.size))
+    return part[k, 0], part[k, 1]
+
+
+def _ln_finish(work: _Work, g: dict[str, np.ndarray], name: str) -> None:
+    part = work("ln:" + name, (2, 2, g[name + ".g"].size))
+    np.add(part[0, 0], part[1, 0], out=g[name + ".g"])
+    np.add(part[0, 1], part[1, 1], out=g[name + ".b"])
+
+
+def _ln_names(cfg: ModelConfig) -> list[str]:
+    return ["lnf"] + [f"h{i}.ln{j}" for i in range(cfg.layers) for j in (1, 2)]
+
+
+def _backward_rows(cfg: ModelConfig, p: dict[str, np.ndarray], g: dict[str, np.ndarray],
+                   bsz: int, t: int, dlogits: np.ndarray, work: _Work, half: _Rows, k: int,
+                   split: bool) -> None:
+    """The chain of dL/dx for ``half``'s rows, from its dlogits rows down to the
+    embeddings. Keeps what the weight gradients need per layer: dL/d(MLP output) in
+    "dxm", dL/du in "u" (u is not needed after the GELU's backward), dL/d(attention
+    output) in "dxa", dL/dqkv in "dqkv", dL/d(embedding) in "dxe"."""
     c, h = cfg.width, cfg.heads
     d = c // h
     n = bsz * t
+    b, r = half.size, half.r
     scale = dlogits.dtype.type(1.0 / math.sqrt(d))
-    hf, lnf = caches[-1]
-    np.matmul(hf.T, dlogits, out=g["head.w"])
-    dx = _layernorm_back(dlogits @ p["head.w"].T, p["lnf.g"], lnf, g["lnf.g"], g["lnf.b"])
+    tmp, col = work("tmp", (n, c))[r], work("col", (n, 1))[r]
+    dx = work("dxm", (n, c), cfg.layers - 1)[r]
+    np.matmul(dlogits, p["head.w"].T, out=dx)
+    _layernorm_back(dx, p["lnf.g"], work("xhatf", (n, c))[r], work("rstdf", (n, 1))[r],
+                    *_ln_grads(work, g, "lnf", k, split), tmp, col)
+    dh = work("dh", (n, c))[r]
+    da = work("da", (n, 4 * c))[r]
+    s1, s2 = work("s1", (n, 4 * c))[r], work("s2", (n, 4 * c))[r]
+    datt, tmp4 = work("datt", (bsz, h, t, t))[half.b], work("tmp4", (bsz, h, t, t))[half.b]
+    col4 = work("col4", (bsz, h, t, 1))[half.b]
     for i in reversed(range(cfg.layers)):
         q_ = f"h{i}."
-        h1, ln1, qs, k, v, att, y, h2, ln2, u, tanh_u, a = caches[i]
+        dxm = work("dxm", (n, c), i)[r]
         # MLP
-        np.matmul(a.T, dx, out=g[q_ + "mlp.w_out"])
-        np.sum(dx, axis=0, out=g[q_ + "mlp.b_out"])
-        du = _gelu_back(dx @ p[q_ + "mlp.w_out"].T, u, tanh_u)
-        np.matmul(h2.T, du, out=g[q_ + "mlp.w_in"])
-        np.sum(du, axis=0, out=g[q_ + "mlp.b_in"])
-        dx = dx + _layernorm_back(du @ p[q_ + "mlp.w_in"].T, p[q_ + "ln2.g"], ln2,
-                                  g[q_ + "ln2.g"], g[q_ + "ln2.b"])
+        np.matmul(dxm, p[q_ + "mlp.w_out"].T, out=da)
+        u = work("u", (n, 4 * c), i)[r]
+        du = _gelu_back(da, u, work("tanh", (n, 4 * c), i)[r], s1, s2, out=u)
+        np.matmul(du, p[q_ + "mlp.w_in"].T, out=dh)
+        _layernorm_back(dh, p[q_ + "ln2.g"], work("xhat2", (n, c), i)[r],
+                        work("rstd2", (n, 1), i)[r], *_ln_grads(work, g, q_ + "ln2", k, split),
+                        tmp, col)
+        dxa = work("dxa", (n, c), i)[r]
+        np.add(dxm, dh, out=dxa)
         # attention
-        np.matmul(y.T, dx, out=g[q_ + "attn.w_out"])
-        np.sum(dx, axis=0, out=g[q_ + "attn.b_out"])
-        dy = (dx @ p[q_ + "attn.w_out"].T).reshape(bsz, t, h, d).transpose(0, 2, 1, 3)
-        datt = np.matmul(dy, v.transpose(0, 1, 3, 2))
-        dqkv = np.empty((bsz, t, 3, h, d), dtype=dx.dtype)
-        dqkv[:, :, 2] = np.matmul(att.transpose(0, 1, 3, 2), dy).transpose(0, 2, 1, 3)
+        att = work("att", (bsz, h, t, t), i)[half.b]
+        q5 = work("qkv", (n, 3 * c), i)[r].reshape(b, t, 3, h, d).transpose(2, 0, 3, 1, 4)
+        dqkv = work("dqkv", (n, 3 * c), i)[r]
+        d5 = dqkv.reshape(b, t, 3, h, d).transpose(2, 0, 3, 1, 4)  # three [B, H, T, D]
+        np.matmul(dxa, p[q_ + "attn.w_out"].T, out=dh)
+        dy = dh.reshape(b, t, h, d).transpose(0, 2, 1, 3)
+        np.matmul(dy, q5[2].transpose(0, 1, 3, 2), out=datt)
+        np.matmul(att.transpose(0, 1, 3, 2), dy, out=d5[2])
         # softmax backward: ds = att * (datt - sum(datt * att))
-        datt -= np.sum(datt * att, axis=-1, keepdims=True)
+        np.multiply(datt, att, out=tmp4)
+        np.sum(tmp4, axis=-1, keepdims=True, out=col4)
+        datt -= col4
         datt *= att
-        dq = np.matmul(datt, k)
-        dq *= scale
-        dqkv[:, :, 0] = dq.transpose(0, 2, 1, 3)
-        dqkv[:, :, 1] = np.matmul(datt.transpose(0, 1, 3, 2), qs).transpose(0, 2, 1, 3)
-        dqkv2 = dqkv.reshape(n, 3 * c)
-        np.matmul(h1.T, dqkv2, out=g[q_ + "attn.w_qkv"])
-        np.sum(dqkv2, axis=0, out=g[q_ + "attn.b_qkv"])
-        dx = dx + _layernorm_back(dqkv2 @ p[q_ + "attn.w_qkv"].T, p[q_ + "ln1.g"], ln1,
-                                  g[q_ + "ln1.g"], g[q_ + "ln1.b"])
-    dx3 = dx.reshape(bsz, t, c)
-    np.sum(dx3, axis=0, out=g["wpe"][:t])
-    # scatter-add in index order: deterministic for a given batch
-    np.add.at(g["wte"], tokens.reshape(-1), dx)
+        np.matmul(datt, q5[1], out=d5[0])
+        d5[0] *= scale
+        np.matmul(datt.transpose(0, 1, 3, 2), work("qs", (bsz, h, t, d), i)[half.b],
+                  out=d5[1])
+        np.matmul(dqkv, p[q_ + "attn.w_qkv"].T, out=dh)
+        _layernorm_back(dh, p[q_ + "ln1.g"], work("xhat1", (n, c), i)[r],
+                        work("rstd1", (n, 1), i)[r], *_ln_grads(work, g, q_ + "ln1", k, split),
+                        tmp, col)
+        np.add(dxa, dh, out=work("dxm", (n, c), i - 1)[r] if i else work("dxe", (n, c))[r])
+
+
+def _weight_jobs(cfg: ModelConfig, g: dict[str, np.ndarray], work: _Work, n: int,
+                 dlogits: np.ndarray) -> list[tuple[int, Any]]:
+    """(cost, job) for every whole-batch weight and bias gradient."""
+    c = cfg.width
+    jobs: list[tuple[int, Any]] = []
+
+    def gemm(name: str, a: np.ndarray, b: np.ndarray) -> None:
+        # dW = a.T @ b over all rows: one GEMM on one thread, whatever the core count
+        jobs.append((a.shape[1] * b.shape[1],
+                     lambda: np.matmul(a.T, b, out=g[name])))
+
+    def bias(name: str, b: np.ndarray) -> None:
+        jobs.append((0, lambda: np.sum(b, axis=0, out=g[name])))
+
+    gemm("head.w", work("hf", (n, c)), dlogits)
+    for i in range(cfg.layers):
+        q_ = f"h{i}."
+        dxm, du = work("dxm", (n, c), i), work("u", (n, 4 * c), i)
+        dxa, dqkv = work("dxa", (n, c), i), work("dqkv", (n, 3 * c), i)
+        gemm(q_ + "mlp.w_out", work("a", (n, 4 * c), i), dxm)
+        bias(q_ + "mlp.b_out", dxm)
+        gemm(q_ + "mlp.w_in", work("h2", (n, c), i), du)
+        bias(q_ + "mlp.b_in", du)
+        gemm(q_ + "attn.w_out", work("y", (n, c), i), dxa)
+        bias(q_ + "attn.b_out", dxa)
+        gemm(q_ + "attn.w_qkv", work("h1", (n, c), i), dqkv)
+        bias(q_ + "attn.b_qkv", dqkv)
+    return jobs
+
+
+def _weight_grads(cfg: ModelConfig, g: dict[str, np.ndarray], tokens: np.ndarray,
+                  work: _Work, dlogits: np.ndarray, split: bool) -> None:
+    """Every gradient that sums over all rows, from what ``_backward_rows`` kept: the
+    jobs are dealt to two lists of about equal cost (one per core)."""
+    bsz, t = tokens.shape
+    n = bsz * t
+    lists: list[list[Any]] = [[], []]
+    load = [0, 0]
+    for cost, job in _weight_jobs(cfg, g, work, n, dlogits):
+        k = 0 if load[0] <= load[1] else 1
+        lists[k].append(job)
+        load[k] += cost
+
+    def embeddings() -> None:
+        dxe = work("dxe", (n, cfg.width))
+        np.sum(dxe.reshape(bsz, t, cfg.width), axis=0, out=g["wpe"][:t])
+        g["wpe"][t:] = 0
+        g["wte"][...] = 0
+        _scatter_rows(g["wte"], tokens.reshape(-1), dxe)
+        if split:
+            for name in _ln_names(cfg):
+                _ln_finish(work, g, name)
+
+    lists[1].append(embeddings)
+    parallel.both(lambda: [job() for job in lists[0]], lambda: [job() for job in lists[1]])
 
 
 # --------------------------------------------------------------------------- API
+
+def _work_key(cfg: ModelConfig, tokens: np.ndarray, mode: _Mode, keep: bool
+              ) -> tuple[Any, ...]:
+    return (cfg, tokens.shape, keep, mode.dt)
+
+
+def _halves(bsz: int) -> list[slice]:
+    """The batch rows of each half a call is computed in: fixed by the batch size alone
+    (never by the core count), so the bits do not depend on how many cores ran it."""
+    if bsz < 2:
+        return [slice(0, bsz)]
+    mid = (bsz + 1) // 2
+    return [slice(0, mid), slice(mid, bsz)]
+
+
+def _in_halves(tokens: np.ndarray, body: Any) -> None:
+    """``body(half index, _Rows)`` for each half, in parallel when two cores are allowed
+    (``daisyweb.parallel``)."""
+    t = tokens.shape[1]
+    parts = [_Rows(rows, t) for rows in _halves(tokens.shape[0])]
+    if len(parts) == 1:
+        body(0, parts[0])
+    else:
+        parallel.both(lambda: body(0, parts[0]), lambda: body(1, parts[1]))
+
+
+def _whole_forward(mode: _Mode) -> bool:
+    """On one core, run the forward over the whole batch at once (half the calls): the
+    same bits as by halves, because with int8 linear layers every forward operation is
+    row by row (exact GEMMs, per-row scales, per-sequence attention GEMMs, row-wise
+    LayerNorm and softmax, elementwise GELU). The float path keeps the halves: a float
+    GEMM's rounding may depend on how many rows it is given."""
+    return mode.quantized and parallel.cores() < 2
+
 
 def forward(cfg: ModelConfig, params: np.ndarray, tokens: np.ndarray, *,
             exact: bool = False, quantized: bool = True) -> np.ndarray:
@@ -458,8 +720,22 @@ def forward(cfg: ModelConfig, params: np.ndarray, tokens: np.ndarray, *,
     mode = _Mode(exact, quantized)
     flat = _check_params(cfg, params, exact)
     tokens = _check_tokens(cfg, tokens, "tokens", cfg.seq)
-    logits, _ = _forward(cfg, views(cfg, flat), tokens, mode, keep=False)
-    return logits.reshape(tokens.shape[0], tokens.shape[1], cfg.vocab)
+    bsz, t = tokens.shape
+    logits = np.empty((bsz * t, cfg.vocab), mode.dt)  # the caller's: fresh
+    p = views(cfg, flat)
+    work = _take(_work_key(cfg, tokens, mode, False))
+
+    def body(_: int, half: _Rows) -> None:
+        _forward(cfg, p, tokens, mode, work, False, logits[half.r], half)
+
+    try:
+        if _whole_forward(mode):
+            body(0, _Rows(slice(0, bsz), t))
+        else:
+            _in_halves(tokens, body)
+    finally:
+        _give(work)
+    return logits.reshape(bsz, t, cfg.vocab)
 
 
 def _split_batch(cfg: ModelConfig, batch: Any) -> tuple[np.ndarray, np.ndarray]:
@@ -470,23 +746,58 @@ def _split_batch(cfg: ModelConfig, batch: Any) -> tuple[np.ndarray, np.ndarray]:
     return batch[:, :-1], batch[:, 1:].reshape(-1)
 
 
+def _check_out(out: Any, flat: np.ndarray, dt: np.dtype) -> np.ndarray:
+    if not isinstance(out, np.ndarray) or out.dtype != dt or out.shape != flat.shape:
+        got = f"{out.dtype} {out.shape}" if isinstance(out, np.ndarray) else type(out).__name__
+        raise ValueError(f"out must be a {dt} array of shape {flat.shape}, got {got}")
+    if not out.flags.c_contiguous or not out.flags.writeable:
+        raise ValueError("out must be C-contiguous and writable")
+    if np.shares_memory(out, flat):
+        raise ValueError("out must not share memory with params")
+    return out
+
+
 def loss_and_grad(cfg: ModelConfig, params: np.ndarray, batch: np.ndarray, *,
-                  exact: bool = False, quantized: bool = True) -> tuple[float, np.ndarray]:
-    """Mean next-token cross-entropy of batch [B, T+1] and its gradient (a fresh flat array).
+                  exact: bool = False, quantized: bool = True,
+                  out: np.ndarray | None = None) -> tuple[float, np.ndarray]:
+    """Mean next-token cross-entropy of batch [B, T+1] and its gradient.
 
     Inputs are ``batch[:, :-1]``, targets ``batch[:, 1:]``. The gradient has the layout of
     ``params``: float32, or float64 with ``exact`` (float64 reference, no quantization).
+    It is a fresh array, or ``out`` (every element overwritten) if given: a training loop
+    that hands the same buffer every step allocates nothing per step.
     """
     mode = _Mode(exact, quantized)
     flat = _check_params(cfg, params, exact)
     inputs, targets = _split_batch(cfg, batch)
-    p = views(cfg, flat)
-    logits, caches = _forward(cfg, p, inputs, mode, keep=True)
-    loss, dlogits = _cross_entropy(logits, targets, want_grad=True)
-    assert dlogits is not None
-    grad = np.zeros(flat.size, dtype=mode.dt)  # wpe rows past T and unused wte rows stay 0
-    _backward(cfg, p, views(cfg, grad), inputs, dlogits, caches)
-    return loss, grad
+    grad = np.empty(flat.size, mode.dt) if out is None else _check_out(out, flat, mode.dt)
+    p, g = views(cfg, flat), views(cfg, grad)
+    bsz, t = inputs.shape
+    split = len(_halves(bsz)) > 1
+    nll = np.empty(targets.size, mode.dt)
+    work = _take(_work_key(cfg, inputs, mode, True))
+    try:
+        logits = work("logits", (targets.size, cfg.vocab))
+
+        def forward_rows(half: _Rows) -> None:
+            lg = logits[half.r]
+            _forward(cfg, p, inputs, mode, work, True, lg, half)
+            _cross_entropy(lg, targets[half.r], True, targets.size, nll[half.r])
+
+        whole = _whole_forward(mode)
+        if whole:
+            forward_rows(_Rows(slice(0, bsz), t))
+
+        def body(k: int, half: _Rows) -> None:
+            if not whole:
+                forward_rows(half)
+            _backward_rows(cfg, p, g, bsz, t, logits[half.r], work, half, k, split)
+
+        _in_halves(inputs, body)
+        _weight_grads(cfg, g, inputs, work, logits, split)
+    finally:
+        _give(work)
+    return float(np.mean(nll, dtype=np.float64)), grad
 
 
 def loss_only(cfg: ModelConfig, params: np.ndarray, batch: np.ndarray, *,
@@ -495,6 +806,22 @@ def loss_only(cfg: ModelConfig, params: np.ndarray, batch: np.ndarray, *,
     mode = _Mode(exact, quantized)
     flat = _check_params(cfg, params, exact)
     inputs, targets = _split_batch(cfg, batch)
-    logits, _ = _forward(cfg, views(cfg, flat), inputs, mode, keep=False)
-    loss, _ = _cross_entropy(logits, targets, want_grad=False)
-    return loss
+    p = views(cfg, flat)
+    bsz, t = inputs.shape
+    nll = np.empty(targets.size, mode.dt)
+    work = _take(_work_key(cfg, inputs, mode, False))
+    try:
+        logits = work("logits", (targets.size, cfg.vocab))
+
+        def body(_: int, half: _Rows) -> None:
+            lg = logits[half.r]
+            _forward(cfg, p, inputs, mode, work, False, lg, half)
+            _cross_entropy(lg, targets[half.r], False, targets.size, nll[half.r])
+
+        if _whole_forward(mode):
+            body(0, _Rows(slice(0, bsz), t))
+        else:
+            _in_halves(inputs, body)
+    finally:
+        _give(work)
+    return float(np.mean(nll, dtype=np.float64))

@@ -24,6 +24,11 @@ float32, ``s1``/``s2`` scratch buffers)::
     5. s1 = sqrt(v);  s1 /= bc2_sqrt;  s1 += f32(eps)
     6. s2 = m / s1;  s2 *= step_size;  params -= s2
 
+Steps 2-6 run chunk by chunk (``_CHUNK`` elements at a time, scratch of one chunk):
+every operation is elementwise, so the bits are those of whole-array passes, while each
+array crosses memory once per step instead of once per operation. The chunks form two
+fixed ranges that run on two cores when ``daisyweb.parallel`` allows it (same bits).
+
 This matches ``torch.optim.AdamW`` (non-fused, non-foreach semantics) to float tolerance.
 """
 
@@ -37,9 +42,16 @@ from typing import Any
 
 import numpy as np
 
+from daisyweb import parallel
+
 __all__ = ["AdamConfig", "DaisyAdam", "weight_hash"]
 
 _F32 = np.dtype(np.float32)
+# Elements per chunk of the update: the chunk of params, grad, m, v and the two scratch
+# buffers (6 x 256 KiB) stays in L2 through all eleven operations, so the arrays cross
+# memory once a step instead of once per operation. Elementwise ops give the same bits
+# whatever the chunking.
+_CHUNK = 1 << 16
 _HASH_MAGIC = b"daisyweb-weight-hash-v1\x00"
 
 
@@ -98,6 +110,19 @@ def _powers_for(config: AdamConfig, step: int) -> tuple[float, float]:
     return p1, p2
 
 
+class _Scalars:
+    """The float32 scalars of one step, each from binary64 rounded once."""
+
+    def __init__(self, cfg: AdamConfig, p1: float, p2: float) -> None:
+        f32 = np.float32
+        self.step_size = f32(cfg.lr / (1.0 - p1))
+        self.bc2_sqrt = f32(math.sqrt(1.0 - p2))
+        self.decay = f32(1.0 - cfg.lr * cfg.weight_decay)
+        self.b1, self.c1 = f32(cfg.beta1), f32(1.0 - cfg.beta1)
+        self.b2, self.c2 = f32(cfg.beta2), f32(1.0 - cfg.beta2)
+        self.eps = f32(cfg.eps)
+
+
 class DaisyAdam:
     """AdamW over one flat, C-contiguous float32 buffer of ``size`` elements."""
 
@@ -115,8 +140,11 @@ class DaisyAdam:
         self.step_count = 0
         self.beta1_power = 1.0  # binary64, = beta1 ** step_count by repeated multiplication
         self.beta2_power = 1.0
-        self._s1 = np.empty(size, dtype=np.float32)
-        self._s2 = np.empty(size, dtype=np.float32)
+        # Scratch for one chunk: the update runs chunk by chunk (see ``step``).
+        # (one set per range the buffer is split into for two cores: see ``_ranges``)
+        chunk = min(size, _CHUNK)
+        self._scratch = [(np.empty(chunk, np.float32), np.empty(chunk, np.float32),
+                          np.empty(chunk, np.bool_)) for _ in range(2)]
 
     def _check_buffer(self, name: str, arr: Any, writable: bool) -> np.ndarray:
         if not isinstance(arr, np.ndarray):
@@ -137,43 +165,75 @@ class DaisyAdam:
         grad = self._check_buffer("grad", grad, writable=False)
         if np.shares_memory(params, grad):
             raise ValueError("grad must not alias params")
-        if not np.isfinite(grad).all():
+        ranges = self._ranges()
+        ok = [True, True]
+
+        def check(k: int) -> None:
+            ok[k] = self._finite(grad, *ranges[k], self._scratch[k][2])
+
+        parallel.both(lambda: check(0), lambda: check(1))
+        if not all(ok):
             raise ValueError("grad contains NaN or Inf")
 
         cfg = self.config
-        f32 = np.float32
         # 1. counters and scalars (binary64, then rounded once to float32)
         step = self.step_count + 1
         p1 = self.beta1_power * cfg.beta1
         p2 = self.beta2_power * cfg.beta2
-        step_size = f32(cfg.lr / (1.0 - p1))
-        bc2_sqrt = f32(math.sqrt(1.0 - p2))
-        m, v, s1, s2 = self.m, self.v, self._s1, self._s2
-
-        # 2. decoupled weight decay
-        if cfg.weight_decay != 0.0:
-            np.multiply(params, f32(1.0 - cfg.lr * cfg.weight_decay), out=params)
-        # 3. first moment
-        np.multiply(m, f32(cfg.beta1), out=m)
-        np.multiply(grad, f32(1.0 - cfg.beta1), out=s1)
-        np.add(m, s1, out=m)
-        # 4. second moment
-        np.multiply(v, f32(cfg.beta2), out=v)
-        np.multiply(grad, grad, out=s1)
-        np.multiply(s1, f32(1.0 - cfg.beta2), out=s1)
-        np.add(v, s1, out=v)
-        # 5. denominator
-        np.sqrt(v, out=s1)
-        np.divide(s1, bc2_sqrt, out=s1)
-        np.add(s1, f32(cfg.eps), out=s1)
-        # 6. update
-        np.divide(m, s1, out=s2)
-        np.multiply(s2, step_size, out=s2)
-        np.subtract(params, s2, out=params)
+        scalars = _Scalars(cfg, p1, p2)
+        parallel.both(lambda: self._update(params, grad, *ranges[0], scalars, 0),
+                      lambda: self._update(params, grad, *ranges[1], scalars, 1))
 
         self.step_count = step
         self.beta1_power = p1
         self.beta2_power = p2
+
+    def _ranges(self) -> list[tuple[int, int]]:
+        """Two ranges of whole chunks (the second may be empty), one per core: the split
+        depends on the size alone, and elementwise math gives the same bits either way."""
+        mid = min(self.size, -(-self.size // (2 * _CHUNK)) * _CHUNK)
+        return [(0, mid), (mid, self.size)]
+
+    @staticmethod
+    def _finite(grad: np.ndarray, start: int, stop: int, ok: np.ndarray) -> bool:
+        """Every value of grad[start:stop] finite, chunk by chunk into ``ok`` scratch."""
+        for lo in range(start, stop, _CHUNK):
+            chunk = grad[lo:min(lo + _CHUNK, stop)]
+            part = ok[: chunk.size]
+            np.isfinite(chunk, out=part)
+            if not part.all():
+                return False
+        return True
+
+    def _update(self, params: np.ndarray, grad: np.ndarray, start: int, stop: int,
+                c: _Scalars, k: int) -> None:
+        """Steps 2-6 of the module docstring on [start, stop), one chunk at a time."""
+        decay = self.config.weight_decay != 0.0
+        for lo in range(start, stop, _CHUNK):
+            hi = min(lo + _CHUNK, stop)
+            p, g = params[lo:hi], grad[lo:hi]
+            m, v = self.m[lo:hi], self.v[lo:hi]
+            s1, s2 = self._scratch[k][0][: hi - lo], self._scratch[k][1][: hi - lo]
+            # 2. decoupled weight decay
+            if decay:
+                np.multiply(p, c.decay, out=p)
+            # 3. first moment
+            np.multiply(m, c.b1, out=m)
+            np.multiply(g, c.c1, out=s1)
+            np.add(m, s1, out=m)
+            # 4. second moment
+            np.multiply(v, c.b2, out=v)
+            np.multiply(g, g, out=s1)
+            np.multiply(s1, c.c2, out=s1)
+            np.add(v, s1, out=v)
+            # 5. denominator
+            np.sqrt(v, out=s1)
+            np.divide(s1, c.bc2_sqrt, out=s1)
+            np.add(s1, c.eps, out=s1)
+            # 6. update
+            np.divide(m, s1, out=s2)
+            np.multiply(s2, c.step_size, out=s2)
+            np.subtract(p, s2, out=p)
 
     # ------------------------------------------------------------------ state
     def state_dict(self) -> dict[str, Any]:

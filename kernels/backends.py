@@ -34,6 +34,11 @@ class Backend:
         """Exact product of integer-valued float32 operands in [-128, 127]."""
         return self.gemm(a.astype(np.int8), b.astype(np.int8))
 
+    def gemm_values_into(self, a: Array, b: Array, out: Array) -> Array:
+        """``gemm_values`` written into ``out`` (float32 [m,n]) if the backend can; it
+        returns ``out`` then, or else any array ``gemm_values`` may return."""
+        return self.gemm_values(a, b)
+
     def poison(self) -> None:
         """Fill every buffer reused across calls with garbage (the gate's dirty-pool test)."""
 
@@ -105,16 +110,19 @@ class BlasBackend(Backend):
     def operand_buffers(self, m: int, k: int, n: int) -> tuple[Array, Array]:
         return self._buf("a", (m, k)), self._buf("b", (k, n))
 
-    def product(self, af: Array, bf: Array, fresh: bool) -> Array:
+    def product(self, af: Array, bf: Array, fresh: bool, out: Array | None = None) -> Array:
         """Exact product of integer-valued float32 operands: float32 if K <= 1024, else int32.
 
         `fresh`: the float32 result must be a new array (the caller keeps it); otherwise it
-        may live in a workspace buffer valid until the next call.
+        may live in a workspace buffer valid until the next call. `out`: the caller's float32
+        [m,n] array the K <= 1024 product is written to.
         """
         m, k = af.shape
         n = bf.shape[1]
         kb = self.K_BLOCK
         if k <= kb:
+            if out is not None:
+                return np.matmul(af, bf, out=out)
             return np.matmul(af, bf) if fresh else np.matmul(af, bf, out=self._buf("c", (m, n)))
         work = self._buf("c", (m, n))
         np.matmul(af[:, :kb], bf[:kb], out=work)
@@ -133,6 +141,9 @@ class BlasBackend(Backend):
 
     def gemm_values(self, a: Array, b: Array) -> Array:
         return self.product(a, b, fresh=True)
+
+    def gemm_values_into(self, a: Array, b: Array, out: Array) -> Array:
+        return self.product(a, b, fresh=False, out=out)
 
     def peak_bytes(self, m: int, k: int, n: int) -> int:
         extra = 4 * m * n if k > self.K_BLOCK else 0

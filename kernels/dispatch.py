@@ -124,22 +124,27 @@ def counters() -> dict[str, int]:
 _VALUE_DTYPES = (np.dtype(np.float32), np.dtype(np.float64))
 
 
-def _run(a: Array, b: Array, macs: int, values: bool) -> Array:
+def _run(a: Array, b: Array, macs: int, values: bool, out: Array | None = None) -> Array:
     while True:
         name = active_backend()
         be = get_backend(name)
-        out = be.gemm_values(a, b) if values else be.gemm(a, b)
+        if not values:
+            res = be.gemm(a, b)
+        elif out is None:
+            res = be.gemm_values(a, b)
+        else:
+            res = be.gemm_values_into(a, b, out)
         _counts[name] += macs
         shape = (a.shape[0], b.shape[1])
-        ok_type = out.dtype == np.int32 or (values and out.dtype in _VALUE_DTYPES)
-        if out.shape != shape or not ok_type:  # cheap, every call: wrong kind of result
-            demote(name, f"returned {out.dtype} {out.shape} for a {shape} GEMM")
+        ok_type = res.dtype == np.int32 or (values and res.dtype in _VALUE_DTYPES)
+        if res.shape != shape or not ok_type:  # cheap, every call: wrong kind of result
+            demote(name, f"returned {res.dtype} {res.shape} for a {shape} GEMM")
             continue
         if name == "mirror" or not audit.config.enabled:
-            return out
-        why = audit.check(a, b, out)
+            return res
+        why = audit.check(a, b, res)
         if why is None:
-            return out
+            return res
         demote(name, f"audit: {why}")  # then recompute on the next backend
 
 
@@ -153,13 +158,15 @@ def gemm_int8(a_q: Array, b_q: Array) -> Array:
     return _run(a_q, b_q, m * k * n, values=False)
 
 
-def int8_matmul(x: Array, w: Array) -> Array:
+def int8_matmul(x: Array, w: Array, out: Array | None = None) -> Array:
     """float32 [m,k] @ [k,n] the way a model layer does it: quantize_rows(x),
     quantize_cols(w), exact int8 GEMM, dequantize; bit-identical to calling those three.
 
     Fast path: the quantized values stay integer-valued float32 (what sgemm consumes) and,
     for K <= 1024, the exact float32 product is the f32(acc) the epilogue starts from and is
-    scaled in place, so no int8 or int32 copy of anything is made.
+    scaled in place, so no int8 or int32 copy of anything is made. With ``out`` (float32
+    [m,n], C-contiguous, sharing no memory with x or w) the result is written there and
+    returned: a caller that reuses its buffers allocates nothing per call.
     """
     x = check_array("x", x, np.float32)
     w = check_array("w", w, np.float32)
@@ -167,10 +174,27 @@ def int8_matmul(x: Array, w: Array) -> Array:
         raise ValueError(f"inner dimensions differ: x is {x.shape}, w is {w.shape}")
     (m, k), n = x.shape, w.shape[1]
     check_k(k)
+    if out is not None:
+        _check_out(out, m, n, x, w)
     bufs = get_backend(active_backend()).operand_buffers(m, k, n)
     qa, sa = quantize_values(x, 1, "x", out=None if bufs is None else bufs[0])
     qb, sb = quantize_values(w, 0, "w", out=None if bufs is None else bufs[1])
-    acc = _run(qa, qb, m * k * n, values=True)
-    # float32 products are fresh arrays owned here; int32/float64 ones round once to float32
-    y = acc if acc.dtype == np.float32 else acc.astype(np.float32)
+    acc = _run(qa, qb, m * k * n, values=True, out=out)
+    if out is None:
+        # float32 products are fresh arrays owned here; int32/float64 ones round once
+        y = acc if acc.dtype == np.float32 else acc.astype(np.float32)
+    else:
+        y = out
+        if acc is not out:  # a backend without an in-place path: f32(acc), rounded once
+            np.copyto(out, acc, casting="unsafe")
     return scale_inplace(y, sa, sb)
+
+
+def _check_out(out: object, m: int, n: int, x: Array, w: Array) -> None:
+    out = check_array("out", out, np.float32)
+    if out.shape != (m, n):
+        raise ValueError(f"out must have shape {(m, n)}, got {out.shape}")
+    if not out.flags.c_contiguous or not out.flags.writeable:
+        raise ValueError("out must be C-contiguous and writable")
+    if np.shares_memory(out, x) or np.shares_memory(out, w):
+        raise ValueError("out must not share memory with x or w")

@@ -81,11 +81,23 @@ def _mismatch(got: object, ref: Array, want_int32: bool) -> str | None:
     return None
 
 
+def _into(backend: Backend) -> Gemm:
+    """``gemm_values_into`` on a NaN-filled output: a result that leaves a cell unwritten,
+    or reads the output before writing it, fails the comparison."""
+
+    def call(a: Array, b: Array) -> Array:
+        out = np.full((a.shape[0], b.shape[1]), np.nan, np.float32)
+        return backend.gemm_values_into(a, b, out)
+
+    return call
+
+
 def gate_failure(impl: Backend | Gemm) -> str | None:
     """Run the sweep; None if every result is exact, else a description of the first miss.
 
-    A ``Backend`` is checked on both entry points (int8 ``gemm`` and the float32
-    ``gemm_values`` that ``int8_matmul`` uses) with its buffers poisoned before each call;
+    A ``Backend`` is checked on every entry point (int8 ``gemm``, and the float32
+    ``gemm_values`` and ``gemm_values_into`` that ``int8_matmul`` uses) with its buffers
+    poisoned before each call;
     a bare callable ``(a, b) -> int32`` is checked as ``gemm``.
     """
     backend = impl if isinstance(impl, Backend) else None
@@ -98,6 +110,8 @@ def gate_failure(impl: Backend | Gemm) -> str | None:
         else:
             calls.append(("gemm", backend.gemm, a, b, True))
             calls.append(("gemm_values", backend.gemm_values,
+                          a.astype(np.float32), b.astype(np.float32), False))
+            calls.append(("gemm_values_into", _into(backend),
                           a.astype(np.float32), b.astype(np.float32), False))
         for label, fn, x, y, want_int32 in calls:
             if backend is not None:

@@ -284,8 +284,9 @@ class RoundTrainer:
         state = self.state
         first = max(index * self.sync_every, self.start_step)  # see round_length
         total = 0.0
+        grad = np.empty_like(local)  # one gradient buffer for these steps
         for j in steps:
-            loss, grad = loss_and_grad(state.run.model, local, batch(first + j))
+            loss, _ = loss_and_grad(state.run.model, local, batch(first + j), out=grad)
             optimizer.step(local, check_gradient(grad, state.size, "local gradient"))
             total += float(loss)
         return total

@@ -100,6 +100,24 @@ class FloatPathUnblocked(BlasBackend):
         return np.matmul(a, b)
 
 
+class IntoUnblocked(BlasBackend):
+    """Both entry points right except the in-place one ``int8_matmul(out=)`` takes: not
+    K-blocked, so it rounds past 2**24."""
+
+    def gemm_values_into(self, a: Array, b: Array, out: Array) -> Array:
+        return np.matmul(a, b, out=out)
+
+
+class IntoSkipsLastRow(BlasBackend):
+    """The in-place entry point leaves the last output row as it found it."""
+
+    def gemm_values_into(self, a: Array, b: Array, out: Array) -> Array:
+        if a.shape[0] > 1:
+            np.matmul(a[:-1], b, out=out[:-1])
+            return out
+        return super().gemm_values_into(a, b, out)
+
+
 class ReturnsInt64(MirrorBackend):
     def gemm(self, a: Array, b: Array) -> Array:
         return a.astype(np.int64) @ b.astype(np.int64)
@@ -114,7 +132,7 @@ class Crashes(MirrorBackend):
 
 BROKEN = [last_row_wrong, last_col_wrong, wrap16, drop_last_block, no_minus_128,
           cached_by_shape, StaleBuffer(), WideBlock(), WiderBlock(), FloatPathUnblocked(),
-          ReturnsInt64(), Crashes()]
+          IntoUnblocked(), IntoSkipsLastRow(), ReturnsInt64(), Crashes()]
 
 
 @pytest.mark.parametrize("impl", BROKEN, ids=lambda f: getattr(f, "__name__", type(f).__name__))
@@ -205,3 +223,21 @@ def test_no_backend_at_all_raises(monkeypatch: pytest.MonkeyPatch) -> None:
     dispatch.reset()
     with pytest.raises(RuntimeError, match="no kernel backend passed"):
         kernels.active_backend()
+
+
+@pytest.mark.parametrize("cls", [IntoUnblocked, IntoSkipsLastRow])
+def test_broken_in_place_path_is_demoted_and_out_still_exact(
+        monkeypatch: pytest.MonkeyPatch, cls: type[BlasBackend]) -> None:
+    monkeypatch.setitem(FACTORIES, "blas", cls)
+    dispatch.reset()
+    rng = np.random.default_rng(7)
+    x = rng.standard_normal((6, 1100)).astype(np.float32)
+    w = rng.standard_normal((1100, 5)).astype(np.float32)
+    qa, sa = kernels.quantize_rows(x)
+    qb, sb = kernels.quantize_cols(w)
+    want = kernels.dequantize(ref(qa, qb).astype(np.int32), sa, sb)
+    out = np.full((6, 5), np.nan, np.float32)
+    assert kernels.int8_matmul(x, w, out=out) is out
+    assert out.tobytes() == want.tobytes()
+    assert dict(kernels.gate_verdicts())["blas"] is False
+    assert "gemm_values_into" in kernels.backend_status()["blas"]["reason"]

@@ -146,6 +146,36 @@ def test_int8_matmul_is_the_three_steps_bit_for_bit() -> None:
         assert np.abs(want - x @ w).max() < 0.05 * np.abs(x @ w).max()
 
 
+def test_int8_matmul_into_out_is_the_same_bits() -> None:
+    rng = np.random.default_rng(9)
+    for m, k, n in ((16, 32, 8), (5, 1024, 3), (7, 1500, 9)):
+        x = rng.standard_normal((m, k)).astype(np.float32)
+        w = (rng.standard_normal((k, n)) * 3).astype(np.float32)
+        for name in BACKENDS:
+            with kernels.use_backend(name):
+                want = kernels.int8_matmul(x, w)
+                out = np.full((m, n), np.nan, np.float32)
+                assert kernels.int8_matmul(x, w, out=out) is out
+                got = kernels.int8_matmul(x, w, out=out)  # again, into its own old result
+            assert got.tobytes() == want.tobytes(), name
+
+
+def test_int8_matmul_out_is_checked() -> None:
+    x = np.ones((3, 4), np.float32)
+    w = np.ones((4, 2), np.float32)
+    with pytest.raises(TypeError, match="dtype float32"):
+        kernels.int8_matmul(x, w, out=np.empty((3, 2), np.float64))
+    with pytest.raises(ValueError, match="shape"):
+        kernels.int8_matmul(x, w, out=np.empty((2, 3), np.float32))
+    with pytest.raises(ValueError, match="contiguous"):
+        kernels.int8_matmul(x, w, out=np.empty((3, 4), np.float32)[:, :2])
+    with pytest.raises(ValueError, match="contiguous"):
+        kernels.int8_matmul(x, w, out=np.ones((2, 3), np.float32).T)  # F-order
+    square = np.ones((2, 2), np.float32)
+    with pytest.raises(ValueError, match="share memory"):
+        kernels.int8_matmul(square, np.ones((2, 2), np.float32), out=square)
+
+
 def test_int8_matmul_input_errors() -> None:
     with pytest.raises(TypeError):
         kernels.int8_matmul(np.ones((2, 2)), np.ones((2, 2), np.float32))

@@ -144,3 +144,46 @@ def test_dequantize_schedule_and_errors() -> None:
         kernels.dequantize(acc, sr[:-1], sc)
     with pytest.raises(ValueError):
         kernels.dequantize(acc, sr, sc[:, None])
+
+
+def _exact_rows(x: np.ndarray, axis: int) -> list[list[int]]:
+    s = spec_scales(x, axis)
+    sb = np.broadcast_to(s[:, None] if axis == 1 else s[None, :], x.shape)
+    return [[exact_q(float(v), float(c)) for v, c in zip(r, rs, strict=True)]
+            for r, rs in zip(x, sb, strict=True)]
+
+
+def test_float32_quotient_near_integers_is_decided_exactly() -> None:
+    # quantize_values divides in float32: f32(x/s) + 1/2 can land exactly on an integer
+    # from below (x/s = 1/2 - 2**-25 rounds to 1/2; k + 1/2 - tiny rounds to k + 1/2):
+    # those cells are re-decided exactly. Near-ties on both sides and true ties, at many
+    # scales, by rows and by columns.
+    rng = np.random.default_rng(11)
+    cells = []
+    for _ in range(300):
+        s = np.float32(rng.uniform(0.5, 2.0) * 2.0 ** int(rng.integers(-30, 30)))
+        k = int(rng.integers(-126, 126))
+        exact = np.float64(k + 0.5) * np.float64(s)
+        tie = np.float32(exact)
+        below = np.nextafter(tie, np.float32(-np.inf))
+        above = np.nextafter(tie, np.float32(np.inf))
+        tiny = np.float32(np.float64(s) * (0.5 - int(rng.integers(1, 4)) * 2.0**-25))
+        cells.append([np.float32(127) * s, tie, below, above, tiny, -tiny, -tie])
+    x = np.array(cells, np.float32)
+    for axis, fn in ((1, quantize_rows), (0, quantize_cols)):
+        arr = np.ascontiguousarray(x if axis == 1 else x.T)
+        q, _ = fn(arr)
+        assert q.tolist() == _exact_rows(arr, axis)
+
+
+@pytest.mark.parametrize("shape", [(3, 40000), (40000, 3), (70, 1000)])
+def test_chunk_boundaries_and_rows_wider_than_a_chunk(shape: tuple[int, int]) -> None:
+    # rows longer than quantize's chunk, many chunks of rows, ragged last chunk
+    rng = np.random.default_rng(shape[0])
+    x = (rng.standard_normal(shape) * rng.lognormal(0, 2, (shape[0], 1))).astype(np.float32)
+    for axis, fn in ((1, quantize_rows), (0, quantize_cols)):
+        q, s = fn(x)
+        assert np.array_equal(s, spec_scales(x, axis))
+        sw = s.astype(np.float64)[:, None] if axis == 1 else s.astype(np.float64)[None, :]
+        want = np.clip(np.floor(x.astype(np.float64) / sw + 0.5), -127, 127)  # exact here
+        assert np.array_equal(q.astype(np.float64), want)

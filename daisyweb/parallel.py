@@ -1,0 +1,120 @@
+"""Two cores for one training step, without changing a bit of what it computes.
+
+The model splits every batch into two fixed halves (by the batch size alone) and the
+optimizer its buffer into two fixed ranges. With one core allowed the halves run one
+after the other; with two, the second runs on one helper thread while the caller runs
+the first. Either way each half computes the same operations on the same data, so the
+result is the same bytes whatever the core count.
+
+The core count comes from ``DAISYWEB_THREADS``, else ``OPENBLAS_NUM_THREADS``, else
+``OMP_NUM_THREADS``, else the machine's CPUs, capped at 2; ``set_cores`` changes it. While
+two are in use, OpenBLAS is asked for one thread per call (its own workers would contend
+with the helper thread for the same two cores); OpenBLAS's gemm splits only rows and
+columns over its threads, never the sum, so a product's bits do not depend on this.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import glob
+import os
+import threading
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any
+
+import numpy as np
+
+__all__ = ["both", "cores", "set_cores"]
+
+_ENV = ("DAISYWEB_THREADS", "OPENBLAS_NUM_THREADS", "OMP_NUM_THREADS")
+
+
+def _env_cores() -> int:
+    for var in _ENV:
+        value = os.environ.get(var, "")
+        if value.isdigit() and int(value) >= 1:
+            return int(value)
+    return os.cpu_count() or 1
+
+
+def _openblas_setter() -> Callable[[int], Any] | None:
+    """numpy's bundled OpenBLAS ``set_num_threads``, or None (then BLAS is left alone)."""
+    libs = os.path.join(os.path.dirname(np.__file__), os.pardir, "numpy.libs")
+    for path in glob.glob(os.path.join(libs, "libscipy_openblas*.so*")):
+        try:
+            lib = ctypes.CDLL(path)
+        except OSError:
+            continue
+        for name in ("scipy_openblas_set_num_threads64_", "scipy_openblas_set_num_threads"):
+            fn = getattr(lib, name, None)
+            if fn is not None:
+                return fn  # type: ignore[no-any-return]
+    return None
+
+
+_lock = threading.Lock()
+_cores = 0  # 0: not decided yet
+_pool: ThreadPoolExecutor | None = None
+_blas_threads: Callable[[int], Any] | None = None
+_blas_before = 1
+
+
+def set_cores(n: int) -> None:
+    """Use ``n`` cores (1 or more; only 2 are ever used) for the model's steps."""
+    global _cores, _pool, _blas_threads
+    if isinstance(n, bool) or not isinstance(n, int) or n < 1:
+        raise ValueError(f"cores must be a positive integer, got {n!r}")
+    with _lock:
+        _cores = min(2, n)
+        if _cores == 2:
+            if _pool is None:
+                _pool = ThreadPoolExecutor(1, thread_name_prefix="daisyweb-half")
+            if _blas_threads is None:
+                _blas_threads = _openblas_setter()
+            if _blas_threads is not None:
+                _blas_threads(1)
+        elif _blas_threads is not None:
+            _blas_threads(_blas_before)
+
+
+def cores() -> int:
+    """The number of cores the model's steps use now (1 or 2)."""
+    if not _cores:
+        global _blas_before
+        _blas_before = _env_cores()
+        set_cores(_blas_before)
+    return _cores
+
+
+_local = threading.local()
+
+
+def _forget_after_fork() -> None:
+    """A forked child has no helper thread: decide afresh on first use."""
+    global _pool, _cores, _lock
+    _pool, _cores, _lock = None, 0, threading.Lock()
+
+
+os.register_at_fork(after_in_child=_forget_after_fork)
+
+
+def _as_helper(fn: Callable[[], Any]) -> None:
+    _local.helper = True
+    fn()
+
+
+def both(first: Callable[[], Any], second: Callable[[], Any]) -> None:
+    """Run ``first`` and ``second`` (independent, each writing only its own data): in
+    parallel on two cores, else in turn. Re-raises the first error either raised."""
+    if cores() < 2 or _pool is None or getattr(_local, "helper", False):
+        first()  # (on the helper thread itself: in turn, never wait on ourselves)
+        second()
+        return
+    fut = _pool.submit(_as_helper, second)
+    try:
+        first()
+    finally:
+        err = fut.exception()  # always wait: the second half may still write buffers
+    if err is not None:
+        raise err
