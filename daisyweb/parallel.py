@@ -7,10 +7,11 @@ the first. Either way each half computes the same operations on the same data, s
 result is the same bytes whatever the core count.
 
 The core count comes from ``DAISYWEB_THREADS``, else ``OPENBLAS_NUM_THREADS``, else
-``OMP_NUM_THREADS``, else the machine's CPUs, capped at 2; ``set_cores`` changes it. While
-two are in use, OpenBLAS is asked for one thread per call (its own workers would contend
-with the helper thread for the same two cores); OpenBLAS's gemm splits only rows and
-columns over its threads, never the sum, so a product's bits do not depend on this.
+``OMP_NUM_THREADS``, else the CPUs this process may use, capped at 2; ``set_cores``
+changes it. While two are in use, OpenBLAS is asked for one thread per call (its own
+workers would contend with the helper thread for the same two cores); OpenBLAS's gemm
+splits only rows and columns over its threads, never the sum, so a product's bits do
+not depend on this.
 """
 
 from __future__ import annotations
@@ -35,6 +36,9 @@ def _env_cores() -> int:
         value = os.environ.get(var, "")
         if value.isdigit() and int(value) >= 1:
             return int(value)
+    # The CPUs this process may run on (taskset, a container's cpuset), not the machine's.
+    if hasattr(os, "sched_getaffinity"):
+        return len(os.sched_getaffinity(0)) or 1
     return os.cpu_count() or 1
 
 
