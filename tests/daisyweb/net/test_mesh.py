@@ -532,3 +532,33 @@ async def test_limit_messages_bounds_every_link(srv):
     assert isinstance(e, BadMessage) and "over limit 100000" in e.error
     b.limit_messages(10**12, 250_000)  # never above the mesh's own cap
     assert b._max_message_bytes == 100_000
+
+
+async def test_relay_only_links_carry_data_through_a_real_turn_server(srv, tmp_path,
+                                                                      monkeypatch):
+    from tests.turn import coturn
+
+    sent: list[str] = []
+    real = signaling_client.SignalingClient.send_signal
+
+    async def record(self, to, kind, data):
+        sent.append(data["sdp"])
+        await real(self, to, kind, data)
+
+    monkeypatch.setattr(signaling_client.SignalingClient, "send_signal", record)
+    with coturn(tmp_path) as turn:
+        servers = [ice.IceServer(turn.url, turn.user, turn.password)]
+        a, b = await connected_pair(srv, turn=servers, relay_only=True)
+        g = grad(a.self_id, 2 * 2**20)
+        await a.send(b.self_id, g)
+        assert (await until(b, received(a.self_id), timeout=15)).message == g
+        # Only relayed candidates (the server's 127.0.0.1 relay ports) were offered.
+        for sdp in sent:
+            found = ice.sdp_candidates(sdp)
+            assert found and set(found) == {("127.0.0.1", "relay")}, found
+        await a.close()
+        await b.close()
+        deadline = time.monotonic() + 10
+        while turn.relayed_bytes() < 2 * 2**20 and time.monotonic() < deadline:
+            await asyncio.sleep(0.1)  # the server logs a session's bytes when it ends
+        assert turn.relayed_bytes() >= 2 * 2**20, turn.log.read_text()[-3000:]

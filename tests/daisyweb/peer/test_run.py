@@ -901,3 +901,21 @@ def test_rounds_resume_from_a_boundary_checkpoint(group: Group) -> None:
         g2.kill_all()
     assert [r["step"] for r in lead2.steps()] == list(range(start.step + 2, 9, 2))
     assert same_hashes(lead2, b2) == round_oracle(g2, lead2, start)
+
+
+# --------------------------------------------------------------------------- TURN
+
+
+def test_relayed_group_trains_through_a_real_turn_server(group: Group) -> None:
+    # Every peer forced to relayed candidates (--relay): snapshot and gradients all go
+    # through coturn on 127.0.0.1, which counts them.
+    from tests.turn import coturn
+
+    with coturn(group.tmp) as turn:
+        lead = group.leader(*MODEL, "--steps", "4", "--wait-peers", "2", *turn.flags())
+        a = group.spawn("a", *turn.flags())
+        assert [lead.wait(), a.wait()] == [0, 0], group.logs()
+    assert same_hashes(lead, a) == oracle(group, lead)
+    size = init_params(tiny_run().model, 3).size
+    # at least both peers' float32 gradients of every step went through the server
+    assert turn.relayed_bytes() >= 2 * 4 * 4 * size, turn.log.read_text()[-2000:]
