@@ -11,6 +11,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from daisyweb.data import builtin_tokens
 from daisyweb.peer.driver import Driver, MeshFactory
 from daisyweb.peer.faults import Faults, TestHooks, break_kernel_for_tests
 from daisyweb.peer.handshake import leader_state, tokenizer_info
@@ -63,4 +64,8 @@ async def run_peer(
                            f"{exc.strerror or exc}") from None
     if mesh_factory is None:  # after the file checks: a bad file stays one line
         opts.transport = resolve_transport(opts.transport)
+    # Encoded once per process (cached), now, before any link exists: encoding it when
+    # the snapshot arrives blocked the event loop for seconds on a loaded machine, long
+    # enough for the links' heartbeats to time out.
+    builtin_tokens()
     return await driver.main()
