@@ -33,13 +33,16 @@ def unavailable() -> str | None:
 
 
 def run_isolated(argv: Sequence[str], *, env: Mapping[str, str] | None = None,
-                 timeout: float, cwd: Path = ROOT) -> subprocess.CompletedProcess[str]:
-    """Run ``argv`` in a new loopback-only network namespace; output captured together."""
+                 timeout: float, cwd: Path = ROOT,
+                 capture: bool = True) -> subprocess.CompletedProcess[str]:
+    """Run ``argv`` in a new loopback-only network namespace; output captured together
+    (or passed through with ``capture=False``)."""
     why = unavailable()
     if why is not None:
         raise RuntimeError(f"cannot make a loopback-only network namespace: {why}")
     full_env = dict(os.environ, DAISYWEB_LOOPBACK_ONLY="1", **(env or {}))
     return subprocess.run(
         ["unshare", "--net", "--", "sh", "-c", _SCRIPT, "sh", *argv],
-        cwd=cwd, env=full_env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+        cwd=cwd, env=full_env, stdout=subprocess.PIPE if capture else None,
+        stderr=subprocess.STDOUT if capture else None, text=True,
         timeout=timeout, stdin=subprocess.DEVNULL, check=False)
