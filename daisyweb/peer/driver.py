@@ -33,7 +33,7 @@ from daisyweb.net import (
 from daisyweb.net.outbox import Outboxes
 from daisyweb.peer import handshake
 from daisyweb.peer.approve import approve_callback
-from daisyweb.peer.datafeed import DataFeed
+from daisyweb.peer.datafeed import DataFeed, corpus_ready
 from daisyweb.peer.exchange import RecordingEncoder, Trainer, machine_steps, make_trainer, mode
 from daisyweb.peer.faults import Faults, Replica
 from daisyweb.peer.items import (
@@ -121,7 +121,8 @@ class Driver:
             except (MeshError, OSError) as exc:
                 raise PeerError(3, f"cannot join: {exc}") from None
             log(f"joined as {self.mesh.self_id}"
-                + (f" in room {self.opts.room}" if self.opts.room else ""))
+                + (f" in room {self.opts.room}" if self.opts.room else "")
+                + f" (transport {self.opts.transport})")
             self.tasks.append(asyncio.create_task(self._pump_mesh()))
             self.tasks.append(asyncio.create_task(self._ticker()))
             self.tasks.append(asyncio.create_task(self._announce_host_link()))
@@ -189,6 +190,7 @@ class Driver:
         assert self.state is not None
         run = self.state.run
         self._make_replica(self.state)
+        await corpus_ready()  # encoded in a thread since run_peer: the loop stays free
         self._make_feed()
         ups, held = await handshake.wait_for_peers(
             self.queue, self._peer_connected, self.hello_from, self.opts.wait_peers,
@@ -220,6 +222,7 @@ class Driver:
             self._make_replica(state)
         except ValueError as exc:
             raise PeerError(1, f"refused the snapshot from {start.leader}: {exc}") from None
+        await corpus_ready()  # encoded in a thread since run_peer: the loop stays free
         self._make_feed()
         machine = self._machine(start.leader)
         log(f"following {start.leader}: {state.size:,} parameters, from step {state.step} "

@@ -11,27 +11,24 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from daisyweb.data import builtin_tokens
+from daisyweb.peer.datafeed import prefetch_corpus
 from daisyweb.peer.driver import Driver, MeshFactory
 from daisyweb.peer.faults import Faults, TestHooks, break_kernel_for_tests
 from daisyweb.peer.handshake import leader_state, tokenizer_info
-from daisyweb.peer.options import PeerError, PeerOptions, log
+from daisyweb.peer.options import PeerError, PeerOptions
 
 __all__ = ["resolve_transport", "run_peer"]
 
 
 def resolve_transport(name: str) -> str:
-    """The transport ``--transport name`` means here ("auto" resolved), said in the
-    peer's first line; PeerError(2) when the one asked for cannot load."""
+    """The transport ``--transport name`` means here ("auto" resolved: libwebrtc when wrtc
+    imports), said in the "joined as" line; PeerError(2) when it cannot load."""
     from daisyweb.net.transport import TransportError, choose
 
     try:
         transport = choose(name)
     except TransportError as exc:
         raise PeerError(2, str(exc)) from None
-    why = " (auto: wrtc is installed)" if name == "auto" and transport.name == "libwebrtc" \
-        else " (auto: wrtc is not installed)" if name == "auto" else ""
-    log(f"transport: {transport.name}{why}")
     return transport.name
 
 
@@ -64,8 +61,5 @@ async def run_peer(
                            f"{exc.strerror or exc}") from None
     if mesh_factory is None:  # after the file checks: a bad file stays one line
         opts.transport = resolve_transport(opts.transport)
-    # Encoded once per process (cached), now, before any link exists: encoding it when
-    # the snapshot arrives blocked the event loop for seconds on a loaded machine, long
-    # enough for the links' heartbeats to time out.
-    builtin_tokens()
+    prefetch_corpus()  # encoded in a thread while the peer joins (driver awaits it)
     return await driver.main()
