@@ -37,6 +37,7 @@ SCENARIOS: dict[str, tuple[list[str], dict[str, str]]] = {
         "test_follower_sigkilled_mid_step_the_rest_finish",
         "test_leader_killed_mid_step_the_rest_finish",
         "test_relayed_group_trains_through_a_real_turn_server",
+        "test_peer_over_the_reassembly_budget_loses_its_links_and_the_group_trains_on",
     )], {PEER_VAR: "libwebrtc"}),
     # One group, both kinds: identical hashes every boundary, a follower killed, a joiner.
     "group-mixed": ([RUN + t for t in (
