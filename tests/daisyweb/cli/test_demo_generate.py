@@ -286,3 +286,18 @@ def test_demo_peers_share_the_cores_one_blas_thread_each(monkeypatch) -> None:
     assert blas_threads(2, cores=8)["OPENBLAS_NUM_THREADS"] == "4"
     monkeypatch.setenv("OPENBLAS_NUM_THREADS", "2")  # the user's choice is kept
     assert "OPENBLAS_NUM_THREADS" not in blas_threads(3, cores=2)
+
+
+def test_demo_passes_transport_to_every_peer_only_when_asked() -> None:
+    from daisyweb.training.config import run_config
+
+    run = run_config(2048)
+    for given, want in ((None, None), ("libwebrtc", "libwebrtc"), ("aiortc", "aiortc")):
+        args = demo._parser().parse_args(["--peers", "3"]
+                                         + (["--transport", given] if given else []))
+        cmds = demo.peer_commands(args, run, "http://127.0.0.1:9", "demo-x")
+        for cmd in cmds:
+            if want is None:  # each peer's own default: auto, or $DAISYWEB_TRANSPORT
+                assert "--transport" not in cmd
+            else:
+                assert cmd[cmd.index("--transport") + 1] == want
