@@ -49,7 +49,7 @@ def heldout_eval(run: RunConfig) -> Callable[[np.ndarray], float]:
 
 def simulate(peers: int, steps: int, sync_every: int = 1, codec: str = "f32",
              outer_lr: float = 1.0, eval_every: int = 50, batch: int = 8,
-             lr: float = float(DEFAULTS["lr"]), seed: int = 0) -> SimResult:
+             lr: float = float(DEFAULTS["lr"]), seed: int = 0, overlap: int = 0) -> SimResult:
     tok = default_tokenizer()
     train = np.asarray(builtin_tokens())  # the training part: the held-out 5% is not in it
     run = RunConfig(model=ModelConfig(vocab=tok.vocab_size), batch=batch, steps=steps,
@@ -71,11 +71,21 @@ def simulate(peers: int, steps: int, sync_every: int = 1, codec: str = "f32",
     rounds = round_count(steps, sync_every)
     next_eval = eval_every
     t0 = time.perf_counter()
+    previous: dict[str, object] = {}
     for r in range(rounds):
         payloads = []
         for p in names:
-            c = trainers[p].contribute(r, lambda s, p=p: samplers[p].sample(s + 1))
-            trainers[p].stage(c)
+            batch = lambda s, p=p: samplers[p].sample(s + 1)  # noqa: E731
+            trainer = trainers[p]
+            head = None
+            if overlap and p in previous and isinstance(trainer, RoundTrainer):
+                # As a peer does while round r-1's exchange is in flight (same maths;
+                # here the anchor is already known, which the head start does not use).
+                head = trainer.head_start(r, batch, previous[p], overlap)
+            c = (trainer.contribute(r, batch, head) if isinstance(trainer, RoundTrainer)
+                 else trainer.contribute(r, batch))
+            previous[p] = c
+            trainer.stage(c)
             payloads.append(encoders[p].encode(c.vector))
         res.bytes_per_peer += len(payloads[0])
         size = lead.size
@@ -104,9 +114,12 @@ if __name__ == "__main__":
     ap.add_argument("--codec", default="f32")
     ap.add_argument("--outer-lr", type=float, default=1.0)
     ap.add_argument("--lr", type=float, default=float(DEFAULTS["lr"]))
+    ap.add_argument("--overlap", type=int, default=0)
     a = ap.parse_args()
-    r = simulate(a.peers, a.steps, a.sync_every, a.codec, a.outer_lr, lr=a.lr)
+    r = simulate(a.peers, a.steps, a.sync_every, a.codec, a.outer_lr, lr=a.lr,
+                 overlap=a.overlap)
     print(json.dumps({"peers": r.peers, "H": r.sync_every, "codec": r.codec,
                       "outer_lr": r.outer_lr, "lr": a.lr, "steps": r.steps,
+                      "overlap": a.overlap,
                       "curve": r.curve, "bytes": r.bytes_per_peer,
                       "s": round(r.compute_s, 1)}))

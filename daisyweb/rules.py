@@ -39,6 +39,7 @@ __all__ = [
     "check_model",
     "check_run",
     "check_rounds",
+    "default_overlap",
     "is_lower_hex",
 ]
 
@@ -52,9 +53,12 @@ DEFAULTS: MappingProxyType[str, int | float | str] = MappingProxyType({
     # Rounds of 32 local steps exchanging int8 deltas: the mode that reaches a given
     # held-out loss soonest on real links (docs/limits.md, python -m bench.scaling).
     "sync_every": 32, "codec": "int8", "outer_lr": 1.0,
+    # Each round's first 4 steps run while the last round's exchange is in flight
+    # (training.rounds.HeadStart): no loss cost measured, the link's time hidden.
+    "overlap": 4,
 })
 # What a run without these settings (an older checkpoint) was: lockstep, float32.
-LOCKSTEP = MappingProxyType({"sync_every": 1, "codec": "f32", "outer_lr": 1.0})
+LOCKSTEP = MappingProxyType({"sync_every": 1, "codec": "f32", "outer_lr": 1.0, "overlap": 0})
 CODEC_NAMES = ("f32", "int8")
 MAX_SYNC_EVERY = 1 << 20
 
@@ -105,10 +109,11 @@ FIELD_RULES: MappingProxyType[str, FieldRule] = MappingProxyType({
     "sync_every": FieldRule(int, 1, MAX_SYNC_EVERY, "a positive integer"),
     "outer_lr": FieldRule(float, 0.0, MAX_LR, f"a positive number up to {MAX_LR:g}",
                           lo_open=True),
+    "overlap": FieldRule(int, 0, MAX_SYNC_EVERY - 1, "an integer >= 0"),
 })
 MODEL_FIELDS = ("vocab", "width", "layers", "heads", "seq")
 RUN_FIELDS = ("batch", "steps", "lr", "seed", "data")
-ROUND_FIELDS = ("sync_every", "codec", "outer_lr")
+ROUND_FIELDS = ("sync_every", "codec", "outer_lr", "overlap")
 
 
 def check_field(name: str, value: Any, prefix: str = "") -> Any:
@@ -148,12 +153,21 @@ def check_run(batch: Any, steps: Any, lr: Any, seed: Any, data: Any) -> None:
                          f"got {data!r:.80}")
 
 
-def check_rounds(sync_every: Any, codec: Any, outer_lr: Any) -> None:
-    """How members exchange: every ``sync_every`` steps, through ``codec``, outer step size."""
+def check_rounds(sync_every: Any, codec: Any, outer_lr: Any, overlap: Any = 0) -> None:
+    """How members exchange: every ``sync_every`` steps, through ``codec``, outer step size,
+    and how many of a round's steps run while the previous exchange is in flight."""
     check_field("sync_every", sync_every)
     check_field("outer_lr", outer_lr)
     if codec not in CODEC_NAMES:
         raise ValueError(f"codec must be one of {', '.join(CODEC_NAMES)}, got {codec!r:.40}")
+    check_field("overlap", overlap)
+    if overlap and overlap >= sync_every:
+        raise ValueError(f"overlap must be less than sync_every ({sync_every}), got {overlap}")
+
+
+def default_overlap(sync_every: int) -> int:
+    """The overlap a run gets when it names none: the default, within its rounds."""
+    return min(int(DEFAULTS["overlap"]), max(sync_every - 1, 0))
 
 
 _LOWER_HEX = re.compile(r"[0-9a-f]+")

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import asyncio
+import functools
 import hashlib
 import itertools
 import json
@@ -557,6 +559,21 @@ async def index(request: web.Request) -> web.StreamResponse:
     return web.Response(text="daisyweb signaling server is up\n")
 
 
+@functools.cache
+def _tokenizer_json() -> bytes:
+    # daisyweb's tokenizer as kit.js takes it: the dashboard's "try a checkpoint" needs it,
+    # and only a checkpoint of this tokenizer is accepted there.
+    from daisyweb.data import default_tokenizer
+    from daisyweb.kit.tables import tokenizer_spec
+
+    return json.dumps(tokenizer_spec(default_tokenizer()), separators=(",", ":")).encode()
+
+
+async def tokenizer(request: web.Request) -> web.Response:
+    body = await asyncio.to_thread(_tokenizer_json)  # the first call scans Unicode (~0.4 s)
+    return web.Response(body=body, content_type="application/json")
+
+
 async def _close_all(app: web.Application) -> None:
     reg: Registry = app[REGISTRY]
     for peer, _ in list(reg.peers.values()):
@@ -607,6 +624,7 @@ def create_app(
     app.router.add_get("/api/rooms/{code}", room_detail)
     app.router.add_post("/api/rooms/{code}/decide", decide)
     app.router.add_get("/data", data)
+    app.router.add_get("/api/tokenizer", tokenizer)
     app.router.add_get("/", index)
     if STATIC_DIR.is_dir():
         app.router.add_static("/static/", STATIC_DIR)

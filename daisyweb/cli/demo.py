@@ -55,6 +55,9 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--codec", choices=CODEC_NAMES,
                    help=f"what peers exchange (default {DEFAULTS['codec']})")
     p.add_argument("--outer-lr", type=float, help=f"default {DEFAULTS['outer_lr']}")
+    p.add_argument("--overlap", type=int, metavar="K",
+                   help="steps of each round run while the last exchange is in flight "
+                        f"(default {DEFAULTS['overlap']}, below --sync-every)")
     p.add_argument("--save", metavar="FILE.pt", help="write the final checkpoint here")
     p.add_argument("--eval-every", type=int, default=0, metavar="K",
                    help="leader: held-out loss every K steps in progress and metrics")
@@ -75,7 +78,7 @@ def _run_config(args: argparse.Namespace, parser: argparse.ArgumentParser) -> Ru
         return run_config(vocab, width=args.width, layers=args.layers, heads=args.heads,
                           seq=args.seq, batch=args.batch, steps=args.steps, lr=args.lr,
                           seed=args.seed, data="builtin", sync_every=args.sync_every,
-                          codec=args.codec, outer_lr=args.outer_lr)
+                          codec=args.codec, outer_lr=args.outer_lr, overlap=args.overlap)
     except ValueError as exc:
         parser.error(str(exc))
         raise  # unreachable: parser.error exits
@@ -219,7 +222,7 @@ def peer_commands(args: argparse.Namespace, run: RunConfig, server: str,
         "--heads", str(run.model.heads), "--seq", str(run.model.seq),
         "--batch", str(run.batch), "--steps", str(run.steps), "--lr", repr(run.lr),
         "--seed", str(run.seed), "--sync-every", str(run.sync_every), "--codec", run.codec,
-        "--outer-lr", repr(run.outer_lr)]
+        "--outer-lr", repr(run.outer_lr), "--overlap", str(run.overlap)]
     if args.save:
         leader += ["--save", args.save]
         if args.save_every:

@@ -31,7 +31,7 @@ from daisyweb.net.ice import parse_server_url  # pure Python too
 
 # Both pure Python, so flag errors stay instant. daisyweb.rules.DEFAULTS is the one set of
 # run defaults (also daisyweb.training.config.DEFAULTS, and daisyweb-demo's).
-from daisyweb.rules import CODEC_NAMES, DEFAULTS, FIELD_RULES, check_heads
+from daisyweb.rules import CODEC_NAMES, DEFAULTS, FIELD_RULES, check_heads, default_overlap
 from signaling.protocol import ROOM_RULE, valid_room  # the server's own room rule
 
 TRANSPORTS = ("auto", "aiortc", "libwebrtc")  # daisyweb.net.transport.NAMES, without imports
@@ -40,7 +40,7 @@ __all__ = ["DEFAULTS", "build_parser", "parse_args", "main"]
 
 PROG = "daisyweb-peer"
 _MODEL_FLAGS = ("width", "layers", "heads", "seq", "batch", "steps", "lr", "seed",
-                "sync_every", "outer_lr")
+                "sync_every", "outer_lr", "overlap")
 _RUN_FLAGS = (*_MODEL_FLAGS, "codec")
 
 
@@ -166,8 +166,13 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     check_ice_flags(parser, args)
     if args.start and not args.resume:
         for f in _MODEL_FLAGS:
-            if getattr(args, f) is None:
+            if getattr(args, f) is None and f != "overlap":  # overlap: within the round
                 setattr(args, f, DEFAULTS[f])
+        if args.overlap is None:
+            args.overlap = default_overlap(args.sync_every)
+        elif args.overlap and args.overlap >= args.sync_every:
+            parser.error(f"--overlap {args.overlap} must be less than --sync-every "
+                         f"{args.sync_every}")
         try:
             check_heads(args.width, args.heads)
         except ValueError:

@@ -10,7 +10,6 @@ computations.
 from __future__ import annotations
 
 import asyncio
-import threading
 from collections import deque
 
 import aiohttp
@@ -20,31 +19,10 @@ from daisyweb.data import BatchSampler, Tokenizer, builtin_tokens
 from daisyweb.peer.options import data_url, log
 from daisyweb.training.config import RunConfig
 
-__all__ = ["DATA_EVERY_S", "DATA_MAX_TOKENS", "DataFeed", "corpus_ready", "prefetch_corpus"]
+__all__ = ["DATA_EVERY_S", "DATA_MAX_TOKENS", "DataFeed"]
 
 DATA_EVERY_S = 30.0
 DATA_MAX_TOKENS = 4_000_000
-
-
-_corpus: threading.Thread | None = None
-
-
-def prefetch_corpus() -> None:
-    """Start encoding the built-in corpus (cached per process) in a thread, once.
-
-    Encoding it on the event loop when the snapshot arrived blocked the loop for seconds
-    on a loaded machine, long enough for the links' heartbeats to time out; encoding it
-    before joining made a late joiner miss short runs."""
-    global _corpus
-    if _corpus is None:
-        _corpus = threading.Thread(target=builtin_tokens, name="corpus", daemon=True)
-        _corpus.start()
-
-
-async def corpus_ready() -> None:
-    """Wait (off the loop) until :func:`prefetch_corpus`'s thread is done, if one runs."""
-    if _corpus is not None:
-        await asyncio.to_thread(_corpus.join)
 
 
 class DataFeed:

@@ -14,12 +14,14 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import signal
 import time
 from collections.abc import Callable, Iterable
+from dataclasses import dataclass
 
 from daisyweb.checkpoints.checkpoint import TokenizerInfo, checkpoint_to_bytes
-from daisyweb.data import Tokenizer
+from daisyweb.data import Tokenizer, builtin_tokens
 from daisyweb.net import (
     BadMessage,
     JoinDenied,
@@ -33,7 +35,7 @@ from daisyweb.net import (
 from daisyweb.net.outbox import Outboxes
 from daisyweb.peer import handshake
 from daisyweb.peer.approve import approve_callback
-from daisyweb.peer.datafeed import DataFeed, corpus_ready
+from daisyweb.peer.datafeed import DataFeed
 from daisyweb.peer.exchange import RecordingEncoder, Trainer, machine_steps, make_trainer, mode
 from daisyweb.peer.faults import Faults, Replica
 from daisyweb.peer.items import (
@@ -48,6 +50,7 @@ from daisyweb.peer.items import (
 from daisyweb.peer.options import PeerError, PeerOptions, log, mesh_transport_options
 from daisyweb.peer.report import Report
 from daisyweb.protocol import budget, sync, wire
+from daisyweb.training.rounds import Contribution, HeadStart, RoundTrainer
 from daisyweb.training.state import TrainState, probe_hash
 
 __all__ = ["TICK_S", "Driver", "MeshFactory"]
@@ -55,6 +58,15 @@ __all__ = ["TICK_S", "Driver", "MeshFactory"]
 TICK_S = 0.2
 
 MeshFactory = Callable[..., Mesh]
+
+
+@dataclass(frozen=True)
+class PendingHead:
+    """The head start of round ``index`` (``--overlap``), computing in a worker thread
+    while the previous round's exchange is in flight."""
+
+    index: int
+    future: asyncio.Future[HeadStart | None]
 
 
 class Driver:
@@ -83,6 +95,8 @@ class Driver:
         # only after it, so a peer of another version is refused before it gets one.
         self.hello_from: set[str] = set()
         self.tasks: list[asyncio.Task[None]] = []
+        self.head: PendingHead | None = None  # at most one, and never beside a compute
+        self.corpus: asyncio.Future[object]  # the built-in corpus being encoded (main)
         self.result: tuple[int, str] | None = None
 
     # ------------------------------------------------------------------ setup
@@ -105,6 +119,10 @@ class Driver:
         return link
 
     async def main(self) -> int:
+        # The built-in corpus is encoded (a second or more; cached) in a worker thread
+        # while the peer joins: on the event loop it would stall the links' heartbeats
+        # just after a follower takes its snapshot.
+        self.corpus = asyncio.get_running_loop().run_in_executor(None, builtin_tokens)
         self.mesh = self._make_mesh()
         self.outboxes = Outboxes(self.mesh.send, log)
         drop = self.faults.drop_outgoing()
@@ -159,16 +177,19 @@ class Driver:
         """Print the dashboard approval link whenever this peer gets (new) hosting, and
         a member's own dashboard link once (a private room shows only to its members)."""
         shown = None
-        member_shown = False
+        member_polls = 0  # polls that saw a member link (printed on the second)
         while True:
             link = self._host_link()
             if link is not None and link != shown:
                 shown = link
                 log(f"hosting this room; dashboard with Accept/Deny (keep it private): {link}")
             member = getattr(getattr(self, "mesh", None), "member_link", lambda: None)()
-            if link is None and member is not None and not member_shown:
-                member_shown = True
-                log(f"dashboard of this room (keep it private): {member}")
+            if shown is None and member is not None:
+                member_polls += 1
+                # A host's key comes just after its welcome: one more poll, so a host
+                # prints its host link only, never the member link first.
+                if member_polls == 2:
+                    log(f"dashboard of this room (keep it private): {member}")
             await asyncio.sleep(0.5)
 
     async def _ticker(self) -> None:
@@ -190,8 +211,7 @@ class Driver:
         assert self.state is not None
         run = self.state.run
         self._make_replica(self.state)
-        await corpus_ready()  # encoded in a thread since run_peer: the loop stays free
-        self._make_feed()
+        await self._make_feed()
         ups, held = await handshake.wait_for_peers(
             self.queue, self._peer_connected, self.hello_from, self.opts.wait_peers,
             self.opts.join_timeout)
@@ -222,8 +242,7 @@ class Driver:
             self._make_replica(state)
         except ValueError as exc:
             raise PeerError(1, f"refused the snapshot from {start.leader}: {exc}") from None
-        await corpus_ready()  # encoded in a thread since run_peer: the loop stays free
-        self._make_feed()
+        await self._make_feed()
         machine = self._machine(start.leader)
         log(f"following {start.leader}: {state.size:,} parameters, from step {state.step} "
             f"of {start.run.steps} (snapshot {start.weight_hash[:16]} verified)")
@@ -239,8 +258,9 @@ class Driver:
         self.replica = Replica(self.trainer, self.faults)
         self.encoder = RecordingEncoder(state.run.codec, state.size)
 
-    def _make_feed(self) -> None:
+    async def _make_feed(self) -> None:
         assert self.state is not None
+        await self.corpus  # DataFeed's builtin_tokens() is then the cached array
         self.feed = DataFeed(self.tok, self.state.run, self.mesh.self_id, self.opts.server)
         self.tasks.extend(self.feed.start())
 
@@ -300,15 +320,51 @@ class Driver:
     async def _gradient_ready(self, m: sync.StepMachine, item: GradientReady,
                               now: float) -> None:
         step, contribution = item.step, item.contribution
-        self.report.gradient_ready(step, item.secs, now)
+        self.report.gradient_ready(step, item.secs, now, contribution.head_steps)
         self.trainer.stage(contribution)
         self.encoder.last_payload = b""
+        current = not m.done and step == m.boundary
         actions = m.local_gradient(step, contribution.loss, contribution.vector, now)
         if self.faults.dumps and self.encoder.last_payload:
             # What every member decodes from our bytes: the replay oracle's input.
             self.faults.dump(m.self_id, step,
                              self.encoder.decode(self.encoder.last_payload, m.replica.size))
         await self._do(actions)
+        if current and self.result is None:
+            self._start_head(m, step + 1, contribution)
+
+    def _start_head(self, m: sync.StepMachine, index: int, previous: Contribution) -> None:
+        """Start round ``index``'s first ``overlap`` steps while this exchange is in flight."""
+        assert self.state is not None
+        overlap = self.state.run.overlap
+        if (not overlap or not isinstance(self.trainer, RoundTrainer)
+                or index >= m.total_steps or self.head is not None):
+            return
+        trainer = self.trainer
+        t0 = time.perf_counter()
+
+        def finished(_: object) -> None:
+            self.report.head_finished(index, time.perf_counter() - t0, time.monotonic())
+
+        future = asyncio.get_running_loop().run_in_executor(
+            None, trainer.head_start, index, self.feed.batch, previous, overlap)
+        future.add_done_callback(finished)
+        self.report.head_started(index)
+        self.head = PendingHead(index, future)
+
+    async def _take_head(self, step: int) -> HeadStart | None:
+        """The head start of round ``step`` if one was computed; any other one in flight
+        is waited for (one computation at a time uses the sampler) and dropped."""
+        pending, self.head = self.head, None
+        if pending is None:
+            return None
+        try:
+            head = await pending.future
+        except Exception as exc:  # the whole round is computed again, which will say why
+            log(f"head start of round {pending.index} failed ({type(exc).__name__}); "
+                f"computing the round whole")
+            return None
+        return head if pending.index == step else None
 
     async def _mesh_event(self, m: sync.StepMachine, item: MeshItem, now: float) -> None:
         ev = item.event
@@ -367,16 +423,21 @@ class Driver:
         if self.faults.step_delay:
             await asyncio.sleep(self.faults.step_delay)
         loop = asyncio.get_running_loop()
+        head = await self._take_head(step)
         t0 = time.perf_counter()
+        compute = self.trainer.contribute
+        if head is not None:
+            compute = functools.partial(self.trainer.contribute, head=head)
         try:
-            contribute = self.faults.contribution(step, self.trainer.contribute)
+            contribute = self.faults.contribution(step, compute)
             contribution = await loop.run_in_executor(None, contribute, step, self.feed.batch)
         except Exception as exc:
             # Any failure here (a kernel refusing a NaN activation, a bug) must halt the
             # group: a peer that silently never sends its gradient stalls everyone.
             await self.queue.put(GradientFailed(step, exc))
             return
-        await self.queue.put(GradientReady(step, contribution, time.perf_counter() - t0))
+        secs = time.perf_counter() - t0 + self.report.head_secs(step if head else None)
+        await self.queue.put(GradientReady(step, contribution, secs))
 
     def _send_snapshot(self, peer: str, step: int) -> None:
         assert self.state is not None

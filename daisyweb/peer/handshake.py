@@ -64,7 +64,8 @@ def leader_state(opts: PeerOptions, tokinfo: TokenizerInfo) -> TrainState:
         except (CheckpointError, ValueError, OSError) as exc:
             raise PeerError(2, f"--resume {opts.resume}: {exc}") from None
         given: dict[str, object] = dict(opts.model or {})
-        for k in ("batch", "steps", "lr", "seed", "sync_every", "codec", "outer_lr"):
+        for k in ("batch", "steps", "lr", "seed", "sync_every", "codec", "outer_lr",
+                  "overlap"):
             if getattr(opts, k) is not None:
                 given[k] = getattr(opts, k)
         have = {**ckpt.model.to_dict(), **run.to_dict()}
@@ -84,9 +85,11 @@ def leader_state(opts: PeerOptions, tokinfo: TokenizerInfo) -> TrainState:
     try:
         run = run_config(tokinfo.vocab_size, **m, batch=opts.batch, steps=opts.steps,
                          lr=opts.lr, seed=opts.seed, data="server",
-                         sync_every=opts.sync_every, codec=opts.codec, outer_lr=opts.outer_lr)
+                         sync_every=opts.sync_every, codec=opts.codec, outer_lr=opts.outer_lr,
+                         overlap=opts.overlap)
     except (TypeError, ValueError) as exc:
-        raise PeerError(2, f"bad run config: {exc}") from None
+        reason = str(exc).removeprefix("bad run config: ")
+        raise PeerError(2, f"bad run config: {reason}") from None
     return TrainState.fresh(run)
 
 

@@ -37,6 +37,7 @@ class PeerOptions:
     sync_every: int | None = None
     codec: str | None = None
     outer_lr: float | None = None
+    overlap: int | None = None
     resume: str | None = None
     save: str | None = None
     save_every: int = 0
@@ -66,7 +67,7 @@ def options_from_args(args: argparse.Namespace) -> PeerOptions:
         server=args.server, room=args.room, name=args.name, approve=args.approve,
         start=args.start, model=model, batch=args.batch, steps=args.steps, lr=args.lr,
         seed=args.seed, sync_every=args.sync_every, codec=args.codec, outer_lr=args.outer_lr,
-        resume=args.resume, save=args.save, save_every=args.save_every,
+        overlap=args.overlap, resume=args.resume, save=args.save, save_every=args.save_every,
         eval_every=args.eval_every,
         metrics=args.metrics, join_timeout=args.join_timeout, stun=list(args.stun),
         ice_hosts=list(args.ice_host), wait_peers=args.wait_peers,

@@ -63,6 +63,9 @@ class Report:
         self.step_t0: dict[int, float] = {}
         self.compute_s: dict[int, float] = {}
         self.grad_ready: dict[int, float] = {}
+        self.head_steps: dict[int, int] = {}
+        # Head starts (--overlap) by round: started, and when done: (seconds, finished at).
+        self.heads: dict[int, tuple[float, float] | None] = {}
 
     def begin(self, state: TrainState) -> None:
         """The run starts (or joins) at ``state.step``."""
@@ -76,9 +79,34 @@ class Report:
         """The machine asked for the contribution of ``step``: its wall time starts."""
         self.step_t0.setdefault(step, time.monotonic())
 
-    def gradient_ready(self, step: int, compute_s: float, now: float) -> None:
+    def head_started(self, index: int) -> None:
+        """Round ``index``'s head start began (while the previous exchange is in flight)."""
+        self.heads[index] = None
+        for old in [k for k in self.heads if k < index - 2]:
+            del self.heads[old]
+
+    def head_finished(self, index: int, secs: float, now: float) -> None:
+        if index in self.heads:
+            self.heads[index] = (secs, now)
+
+    def head_secs(self, index: int | None) -> float:
+        """Seconds of round ``index``'s head start (0 for none)."""
+        done = self.heads.get(index) if index is not None else None
+        return done[0] if done else 0.0
+
+    def _idle_from(self, step: int, ready: float, now: float) -> float:
+        """When this peer ran out of work while round ``step`` was exchanged: when its
+        contribution was ready or, with a head start of the next round, when that ended."""
+        if step + 1 not in self.heads:
+            return ready
+        done = self.heads[step + 1]
+        return now if done is None else max(ready, done[1])
+
+    def gradient_ready(self, step: int, compute_s: float, now: float,
+                       head_steps: int = 0) -> None:
         """Our contribution of ``step`` is computed; the exchange starts."""
         self.compute_s[step] = compute_s
+        self.head_steps[step] = head_steps
         self.grad_ready[step] = now
 
     async def commit(self, c: sync.Commit, trainer: Trainer, state: TrainState,
@@ -93,7 +121,11 @@ class Report:
         t0 = self.step_t0.pop(c.step, now)
         ready = self.grad_ready.pop(c.step, now)
         compute_s = self.compute_s.pop(c.step, 0.0)
-        comm_s = max(0.0, now - ready)
+        head_steps = self.head_steps.pop(c.step, 0)
+        # comm_s: the exchange's time not hidden behind the next round's head start
+        # (the communication share users see); exchange_s: all of it.
+        exchange_s = max(0.0, now - ready)
+        comm_s = max(0.0, now - self._idle_from(c.step, ready, now))
         wall_s = max(0.0, now - t0)
         comm_share = comm_s / wall_s if wall_s > 0 else 0.0
         loss = c.loss if c.loss is not None else math.nan
@@ -107,10 +139,10 @@ class Report:
         record = {
             "step": done, "loss": loss, "weight_hash": c.weight_hash,
             "probe_hash": c.probe_hash, "roster": list(c.roster),
-            "tokens_per_s": tokens_per_s, "comm_s": comm_s,
+            "tokens_per_s": tokens_per_s, "comm_s": comm_s, "exchange_s": exchange_s,
             "compute_s": compute_s, "wall_s": wall_s, "comm_share": comm_share,
             "mode": mode(run), "sync_every": run.sync_every, "codec": run.codec,
-            "round": c.step + 1, "bytes_sent": encoder.bytes_sent,
+            "round": c.step + 1, "bytes_sent": encoder.bytes_sent, "head_steps": head_steps,
             "transport": self.opts.transport,
         }
         if heldout is not None:

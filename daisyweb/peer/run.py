@@ -11,7 +11,6 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from daisyweb.peer.datafeed import prefetch_corpus
 from daisyweb.peer.driver import Driver, MeshFactory
 from daisyweb.peer.faults import Faults, TestHooks, break_kernel_for_tests
 from daisyweb.peer.handshake import leader_state, tokenizer_info
@@ -61,5 +60,4 @@ async def run_peer(
                            f"{exc.strerror or exc}") from None
     if mesh_factory is None:  # after the file checks: a bad file stays one line
         opts.transport = resolve_transport(opts.transport)
-    prefetch_corpus()  # encoded in a thread while the peer joins (driver awaits it)
     return await driver.main()

@@ -45,7 +45,8 @@ __all__ = [
     "decode",
 ]
 
-PROTOCOL_VERSION = 3  # 2: Config carries sync_every, codec, outer_lr; 3: Following
+PROTOCOL_VERSION = 4  # 2: Config carries sync_every, codec, outer_lr; 3: Following;
+# 4: Config carries overlap
 
 # Limits. Generous for the project's models, small enough that a hostile peer
 # cannot make us allocate without bound.
@@ -229,6 +230,7 @@ class Config(_Msg):
     sync_every: int
     codec: str
     outer_lr: float
+    overlap: int
 
     type: ClassVar[str] = "config"
     _checks: ClassVar[dict[str, Checker]] = {
@@ -245,6 +247,7 @@ class Config(_Msg):
         "sync_every": _int(1, 1 << 20),
         "codec": _choice("f32", "int8"),
         "outer_lr": _float(0.0, 10.0, lo_open=True),
+        "overlap": _int(0, (1 << 20) - 1),
     }
 
     @classmethod
@@ -260,6 +263,9 @@ class Config(_Msg):
     def _check_cross(self) -> None:
         if self.width % self.heads:
             raise _fail(self.type, "heads", f"width {self.width} not divisible by {self.heads}")
+        if self.overlap and self.overlap >= self.sync_every:
+            raise _fail(self.type, "overlap",
+                        f"{self.overlap} not less than sync_every {self.sync_every}")
 
 
 @dataclass(frozen=True)

@@ -17,7 +17,7 @@ from daisyweb.checkpoints.checkpoint import Checkpoint
 from daisyweb.model import ModelConfig
 from daisyweb.optim import AdamConfig
 from daisyweb.protocol import wire
-from daisyweb.rules import DEFAULTS, LOCKSTEP, check_rounds, check_run
+from daisyweb.rules import DEFAULTS, LOCKSTEP, check_rounds, check_run, default_overlap
 
 __all__ = ["DEFAULTS", "RunConfig", "run_config"]
 
@@ -36,14 +36,19 @@ class RunConfig:
     sync_every: int = int(DEFAULTS["sync_every"])
     codec: str = str(DEFAULTS["codec"])
     outer_lr: float = float(DEFAULTS["outer_lr"])
+    # Rounds: steps of each round taken while the previous round's exchange is in flight;
+    # None: the default, within this run's rounds (0 in lockstep).
+    overlap: int = None  # type: ignore[assignment]
 
     def __post_init__(self) -> None:
+        if self.overlap is None:
+            object.__setattr__(self, "overlap", default_overlap(self.sync_every))
         if not isinstance(self.model, ModelConfig):
             raise ValueError(f"bad run config: model must be a ModelConfig, "
                              f"got {type(self.model).__name__}")
         try:
             check_run(self.batch, self.steps, self.lr, self.seed, self.data)
-            check_rounds(self.sync_every, self.codec, self.outer_lr)
+            check_rounds(self.sync_every, self.codec, self.outer_lr, self.overlap)
         except ValueError as exc:
             raise ValueError(f"bad run config: {exc}") from None
 
@@ -56,7 +61,7 @@ class RunConfig:
             "width": m.width, "layers": m.layers, "heads": m.heads, "seq": m.seq,
             "vocab": m.vocab, "batch": self.batch, "steps": self.steps, "lr": self.lr,
             "seed": self.seed, "data": self.data, "sync_every": self.sync_every,
-            "codec": self.codec, "outer_lr": self.outer_lr,
+            "codec": self.codec, "outer_lr": self.outer_lr, "overlap": self.overlap,
         })
 
     @classmethod
@@ -65,13 +70,13 @@ class RunConfig:
                             heads=msg.heads, seq=msg.seq)
         return cls(model=model, batch=msg.batch, steps=msg.steps, lr=msg.lr,
                    seed=msg.seed, data=msg.data, sync_every=msg.sync_every,
-                   codec=msg.codec, outer_lr=msg.outer_lr)
+                   codec=msg.codec, outer_lr=msg.outer_lr, overlap=msg.overlap)
 
     def to_dict(self) -> dict[str, Any]:
         """Plain metadata for a checkpoint's ``run`` dict (the model goes separately)."""
         return {"batch": self.batch, "steps": self.steps, "lr": self.lr,
                 "seed": self.seed, "data": self.data, "sync_every": self.sync_every,
-                "codec": self.codec, "outer_lr": self.outer_lr}
+                "codec": self.codec, "outer_lr": self.outer_lr, "overlap": self.overlap}
 
     @property
     def rounds(self) -> bool:
@@ -82,12 +87,12 @@ class RunConfig:
     def from_checkpoint(cls, ckpt: Checkpoint) -> RunConfig:
         run = ckpt.run
         try:
-            # A checkpoint from before rounds existed was trained in lockstep.
+            # A checkpoint from before rounds (or overlap) existed was trained without them.
             mode = {k: run.get(k, v) for k, v in LOCKSTEP.items()}
             return cls(model=ckpt.model, batch=int(run["batch"]), steps=int(run["steps"]),
                        lr=float(run["lr"]), seed=int(run["seed"]), data=str(run["data"]),
                        sync_every=int(mode["sync_every"]), codec=str(mode["codec"]),
-                       outer_lr=float(mode["outer_lr"]))
+                       outer_lr=float(mode["outer_lr"]), overlap=int(mode["overlap"]))
         except (KeyError, TypeError, ValueError) as exc:
             raise ValueError(f"checkpoint run metadata is incomplete: {exc}") from None
 
@@ -107,6 +112,7 @@ def run_config(
     sync_every: int | None = None,
     codec: str | None = None,
     outer_lr: float | None = None,
+    overlap: int | None = None,
 ) -> RunConfig:
     """A validated :class:`RunConfig`; every ``None`` takes its value from :data:`DEFAULTS`.
 
@@ -121,4 +127,5 @@ def run_config(
     return RunConfig(model=model, batch=pick("batch", batch), steps=pick("steps", steps),
                      lr=pick("lr", lr), seed=pick("seed", seed), data=data,
                      sync_every=pick("sync_every", sync_every), codec=pick("codec", codec),
-                     outer_lr=pick("outer_lr", outer_lr))
+                     outer_lr=pick("outer_lr", outer_lr),
+                     overlap=overlap)

@@ -24,6 +24,14 @@ this project's runs of a few hundred steps it reached a given held-out loss soon
 (``python -m bench.scaling``; numbers in ``docs/limits.md``). ``outer_lr`` stays a run
 setting for longer runs, where DiLoCo's larger outer steps may pay off.
 
+Overlap (``--overlap K``): a member that has sent round ``r``'s delta does not wait for
+round ``r``'s anchor to start round ``r + 1``: :meth:`RoundTrainer.head_start` takes its
+first K steps from the member's own end-of-round weights ``w`` (and inner moments). When
+the anchor ``a'`` arrives, :meth:`RoundTrainer.contribute` goes on from
+``a' - (w - w_K)`` -- the head start's progress moved onto the anchor -- for the rest of
+the round, and the delta is measured from ``a'`` as always. Only what a member computes
+changes; the shared state still comes from the decoded bytes alone.
+
 Threads: :meth:`contribute` runs in a worker thread while the event loop may roll the
 replica back (an amended roster), so it works on copies and touches no shared state;
 the new inner state is handed over with :meth:`stage` and adopted only when the round
@@ -47,6 +55,7 @@ from daisyweb.training.state import TrainState
 
 __all__ = [
     "Contribution",
+    "HeadStart",
     "LockstepTrainer",
     "RoundTrainer",
     "round_count",
@@ -72,6 +81,26 @@ class Contribution:
     loss: float
     vector: np.ndarray
     inner: dict[str, Any] | None = None
+    local: np.ndarray | None = None  # rounds: the member's weights at the round's end
+    head_steps: int = 0  # rounds: steps taken as a head start (``--overlap``)
+
+
+@dataclass(frozen=True)
+class HeadStart:
+    """The first ``steps`` inner steps of round ``index``, taken while the previous
+    round's exchange is still in flight (``--overlap``).
+
+    They start from this member's own weights at the end of the previous round
+    (``base``), since the new anchor is not known yet. When it is, the round goes on
+    from ``anchor - (base - local)``: the head start's progress moved onto the anchor.
+    """
+
+    index: int
+    steps: int
+    loss_sum: float
+    base: np.ndarray
+    local: np.ndarray
+    inner: dict[str, Any]
 
 
 def round_count(total_steps: int, sync_every: int) -> int:
@@ -185,22 +214,59 @@ class RoundTrainer:
     def steps_in(self, index: int) -> int:
         return round_length(index, self.total_steps, self.sync_every)
 
-    def contribute(self, index: int, batch: BatchFn) -> Contribution:
-        """Round ``index`` from the current anchor, on copies (see module docstring)."""
+    def contribute(self, index: int, batch: BatchFn,
+                   head: HeadStart | None = None) -> Contribution:
+        """Round ``index`` from the current anchor, on copies (see module docstring).
+
+        With a ``head`` start of this round, its steps are not taken again: the round
+        goes on from the anchor moved by the head start's progress, with its moments.
+        """
         state = self.state
         anchor = state.params
-        local = anchor.copy()
         optimizer = DaisyAdam(state.optimizer.config, state.size)
-        optimizer.load_state_dict(state.optimizer.state_dict())
-        first = index * self.sync_every
-        total_loss = 0.0
+        if head is not None and head.index == index:
+            progress = np.subtract(head.base, head.local, dtype=np.float32)
+            local = np.subtract(anchor, progress, dtype=np.float32)
+            optimizer.load_state_dict(head.inner)
+            done, total_loss = head.steps, head.loss_sum
+        else:
+            local = anchor.copy()
+            optimizer.load_state_dict(state.optimizer.state_dict())
+            done, total_loss = 0, 0.0
         n = self.steps_in(index)
-        for j in range(n):
+        total_loss += self._local_steps(local, optimizer, index, range(done, n), batch)
+        delta = np.subtract(anchor, local, dtype=np.float32)
+        return Contribution(index, total_loss / max(n, 1), delta, optimizer.state_dict(),
+                            local, done)
+
+    def head_start(self, index: int, batch: BatchFn, previous: Contribution,
+                   steps: int) -> HeadStart | None:
+        """Up to ``steps`` inner steps of round ``index`` from ``previous`` (this member's
+        contribution to round ``index - 1``): its end weights and inner moments. At
+        least one step of the round is left for after the anchor arrives; None when the
+        round does not exist or there is nothing to start."""
+        n = self.steps_in(index)
+        k = min(steps, n - 1)
+        if k <= 0 or previous.index != index - 1 or previous.local is None \
+                or previous.inner is None:
+            return None
+        local = previous.local.copy()
+        optimizer = DaisyAdam(self.state.optimizer.config, self.state.size)
+        optimizer.load_state_dict(previous.inner)
+        loss_sum = self._local_steps(local, optimizer, index, range(k), batch)
+        return HeadStart(index, k, loss_sum, previous.local, local, optimizer.state_dict())
+
+    def _local_steps(self, local: np.ndarray, optimizer: DaisyAdam, index: int,
+                     steps: range, batch: BatchFn) -> float:
+        """Inner steps ``steps`` of round ``index`` on ``local`` in place; the loss sum."""
+        state = self.state
+        first = index * self.sync_every
+        total = 0.0
+        for j in steps:
             loss, grad = loss_and_grad(state.run.model, local, batch(first + j))
             optimizer.step(local, check_gradient(grad, state.size, "local gradient"))
-            total_loss += float(loss)
-        delta = np.subtract(anchor, local, dtype=np.float32)
-        return Contribution(index, total_loss / max(n, 1), delta, optimizer.state_dict())
+            total += float(loss)
+        return total
 
     def stage(self, contribution: Contribution) -> None:
         """Keep this member's inner state of a round until the round commits."""

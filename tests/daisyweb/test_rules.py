@@ -15,7 +15,7 @@ def test_bounds_are_the_wire_configs() -> None:
     assert rules.MAX_DATA_LEN == wire.MAX_TEXT_LEN
     base = {"width": 8, "layers": 1, "heads": 2, "seq": 4, "vocab": 9, "batch": 1,
             "steps": 1, "lr": 1e-3, "seed": 0, "data": "builtin", "sync_every": 1,
-            "codec": "f32", "outer_lr": 1.0}
+            "codec": "f32", "outer_lr": 1.0, "overlap": 0}
     edges = {
         "width": [0, 1, rules.MAX_DIM, rules.MAX_DIM + 1, True],
         "batch": [0, 1, rules.MAX_DIM, rules.MAX_DIM + 1],
@@ -24,10 +24,13 @@ def test_bounds_are_the_wire_configs() -> None:
         "seed": [-1, 0, rules.MAX_SEED, rules.MAX_SEED + 1],
         "sync_every": [0, 1, rules.MAX_SYNC_EVERY, rules.MAX_SYNC_EVERY + 1],
         "outer_lr": [0.0, 0.5, rules.MAX_LR, rules.MAX_LR + 1e-6, float("inf")],
+        "overlap": [-1, 0, 1, rules.MAX_SYNC_EVERY - 1, rules.MAX_SYNC_EVERY, True],
     }
     for name, values in edges.items():
         for value in values:
             d = base | {name: value} | ({"heads": 1} if name == "width" else {})
+            if name == "overlap":  # the longest round: the cross rule is not what refuses
+                d["sync_every"] = rules.MAX_SYNC_EVERY
             try:
                 wire.Config.from_dict(d)
                 wire_ok = True
@@ -60,3 +63,27 @@ def test_check_field_says_the_rule() -> None:
         rules.check_field("steps", 0)
     with pytest.raises(ValueError, match="at most 2147483648"):
         rules.check_field("width", rules.MAX_DIM + 1)
+
+
+def test_overlap_is_less_than_the_round_on_the_wire_and_in_the_rules() -> None:
+    base = dict(rules.DEFAULTS, vocab=9, width=8, heads=2)
+    for sync_every, overlap, ok in [(32, 31, True), (32, 32, False), (32, 40, False),
+                                    (1, 0, True), (1, 1, False), (2, 1, True)]:
+        d = dict(base, sync_every=sync_every, overlap=overlap)
+        try:
+            wire.Config.from_dict(d)
+            wire_ok = True
+        except wire.WireError:
+            wire_ok = False
+        assert wire_ok == ok, (sync_every, overlap)
+        if ok:
+            rules.check_rounds(sync_every, "int8", 1.0, overlap)
+        else:
+            with pytest.raises(ValueError, match="overlap must be less than sync_every"):
+                rules.check_rounds(sync_every, "int8", 1.0, overlap)
+
+
+def test_default_overlap_fits_every_round_length() -> None:
+    assert rules.default_overlap(1) == 0
+    assert rules.default_overlap(2) == 1
+    assert rules.default_overlap(32) == rules.DEFAULTS["overlap"]

@@ -546,8 +546,10 @@ async def _join_against_host(server: str, room: str, *args: str) -> tuple[int, s
 def test_not_admitted_within_join_timeout_exits_non_zero(server: str) -> None:
     code, err = asyncio.run(_join_against_host(server, "waitroom1", "--join-timeout", "1.5"))
     assert code == 3
+    # The first line says the transport (issue 17); then one line says why, and no more.
     lines = [ln for ln in err.splitlines() if ln.strip()]
-    assert lines == [lines[-1]] and "not admitted" in lines[-1] and "Traceback" not in err
+    assert lines[0].startswith("daisyweb-peer: transport: ")
+    assert lines[1:] == [lines[-1]] and "not admitted" in lines[-1] and "Traceback" not in err
 
 
 def _decide_on_dashboard(link: str, approve: bool, timeout: float = 30) -> None:
@@ -588,7 +590,8 @@ def test_approve_ask_without_a_terminal_waits_for_the_dashboard(
         while "dashboard with Accept/Deny" not in host.log.read_text():
             assert time.monotonic() < deadline and host.proc.poll() is None
             time.sleep(0.05)
-        link = host.log.read_text().split("(keep it private): ")[1].split()[0]
+        # The host link (with the key), not the member link it may print first.
+        link = host.log.read_text().split("Accept/Deny (keep it private): ")[1].split()[0]
         cmd = [sys.executable, "-m", "daisyweb.cli.peer", "--server", server, "--room",
                room, "--ice-host", "127.0.0.1", "--join-timeout", "40"]
         joiner = subprocess.Popen(cmd, cwd=ROOT, stdin=subprocess.DEVNULL,
@@ -804,6 +807,10 @@ def test_rounds_three_peers_identical_at_every_boundary_equal_to_replay(group: G
         assert [(r["round"], r["step"]) for r in p.steps()] == [(1, 2), (2, 4), (3, 6), (4, 7)]
         assert all(r["mode"] == "rounds H=2 int8" for r in p.steps())
         assert p.end()["end"] == "done"
+        # --overlap defaults to 1 step here: every round after the first (and but the
+        # last, which has one step) began while the previous exchange was in flight.
+        assert [r["head_steps"] for r in p.steps()] == [0, 1, 1, 0]
+        assert all(r["comm_s"] <= r["exchange_s"] for r in p.steps())
     hashes = same_hashes(lead, a, b)
     assert hashes == replay_rounds(init_params(tiny_run().model, 3),
                                    [(r["roster"], {q: np.load(group.grads / f"{q}-{i}.npy")

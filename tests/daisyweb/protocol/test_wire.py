@@ -46,6 +46,7 @@ SAMPLES = [
         sync_every=16,
         codec="int8",
         outer_lr=1.0,
+        overlap=4,
     ),
     Snapshot(0, H, b"\x00\x01" * 100),
     Roster(5, ["a", "b", "c"]),

@@ -6,7 +6,8 @@ import numpy as np
 import pytest
 
 from daisyweb.data import BatchSampler
-from daisyweb.model import ModelConfig
+from daisyweb.model import ModelConfig, loss_and_grad
+from daisyweb.optim import DaisyAdam
 from daisyweb.protocol.averaging import average_in_roster_order
 from daisyweb.training.config import RunConfig
 from daisyweb.training.replay import replay_hashes, replay_rounds
@@ -139,3 +140,98 @@ def test_lockstep_trainer_is_the_plain_step() -> None:
         grads.append((("a",), {"a": c.vector}))
         t.apply(average_in_roster_order([c.vector]))
     assert replay_hashes(start, run.adam(), grads)[-1] == t.weight_hash()
+
+
+
+# ------------------------------------------------------------------ head starts (--overlap)
+def _reference_round(run: RunConfig, anchor: np.ndarray, inner: dict, base: np.ndarray,
+                     r: int, k: int, peer: str) -> tuple[np.ndarray, dict]:
+    """Round ``r`` written out by hand: k steps from ``base``, their progress moved onto
+    ``anchor`` (``anchor - (base - w)``, float32), the rest of the round from there."""
+    batch = _batches(peer)
+    opt = DaisyAdam(run.adam(), anchor.size)
+    opt.load_state_dict(inner)
+    w = base.copy()
+    first = r * run.sync_every
+    for j in range(round_length(r, run.steps, run.sync_every)):
+        if j == k:
+            w = anchor - (base - w)
+        opt.step(w, loss_and_grad(run.model, w, batch(first + j))[1])
+    return anchor - w, opt.state_dict()
+
+
+@pytest.mark.parametrize("k", [1, 3])
+def test_a_head_start_is_k_steps_from_the_own_weights_moved_onto_the_anchor(k: int) -> None:
+    run = _run(12, 4)
+    trainers = {p: RoundTrainer(TrainState.fresh(run), 4) for p in "ab"}
+    previous = {}
+    for p, t in trainers.items():
+        previous[p] = t.contribute(0, _batches(p))
+        t.stage(previous[p])
+    # The head start of round 1 runs before round 0 commits (the anchor is not known).
+    heads = {p: t.head_start(1, _batches(p), previous[p], k) for p, t in trainers.items()}
+    mean = average_in_roster_order([previous[p].vector for p in trainers])
+    for t in trainers.values():
+        t.apply(mean)
+    for p, t in trainers.items():
+        head = heads[p]
+        assert head is not None and head.index == 1 and head.steps == k
+        assert np.array_equal(head.base, previous[p].local)
+        c = t.contribute(1, _batches(p), head)
+        delta, inner = _reference_round(run, t.state.params, previous[p].inner,
+                                        previous[p].local, 1, k, p)
+        assert np.array_equal(c.vector, delta)
+        assert np.array_equal(c.inner["m"], inner["m"]) and np.array_equal(c.inner["v"], inner["v"])
+        assert c.inner["step"] == inner["step"] == 8
+        # Without the head start the round is a different (and the plain) computation.
+        plain = t.contribute(1, _batches(p))
+        assert not np.array_equal(plain.vector, c.vector)
+
+
+def test_a_head_start_of_another_round_is_not_used() -> None:
+    run = _run(12, 4)
+    t = RoundTrainer(TrainState.fresh(run), 4)
+    c0 = t.contribute(0, _batches("a"))
+    t.stage(c0)
+    head = t.head_start(1, _batches("a"), c0, 2)
+    t.apply(c0.vector)
+    c1 = t.contribute(1, _batches("a"), head)
+    t.stage(c1)
+    t.apply(c1.vector)
+    stale = t.contribute(2, _batches("a"), head)  # round 1's head start, offered for 2
+    assert np.array_equal(stale.vector, t.contribute(2, _batches("a")).vector)
+
+
+def test_no_head_start_without_a_round_left_or_from_another_round() -> None:
+    run = _run(9, 4)  # rounds of 4, 4, 1 steps
+    t = RoundTrainer(TrainState.fresh(run), 4)
+    c0 = t.contribute(0, _batches("a"))
+    assert t.head_start(2, _batches("a"), c0, 2) is None  # c0 is not round 1's
+    c1 = t.contribute(1, _batches("a"))
+    assert t.head_start(2, _batches("a"), c1, 2) is None  # round 2 has one step: none left
+    assert t.head_start(1, _batches("a"), c0, 9).steps == 3  # one step stays for later
+    assert t.head_start(3, _batches("a"), c1, 2) is None  # no round 3
+
+
+def test_head_starts_keep_members_identical_and_equal_to_replay() -> None:
+    """A group in which every member head-starts every round: identical at every boundary,
+    and the replay oracle of the decoded contributions gives the same hashes."""
+    run = _run(12, 4)
+    trainers = {p: RoundTrainer(TrainState.fresh(run), 4) for p in "abc"}
+    start = trainers["a"].state.params.copy()
+    previous: dict = {}
+    rounds, hashes = [], []
+    for r in range(3):
+        contributions = {}
+        for p, t in trainers.items():
+            head = t.head_start(r, _batches(p), previous[p], 2) if p in previous else None
+            c = t.contribute(r, _batches(p), head)
+            t.stage(c)
+            previous[p] = contributions[p] = c
+        mean = average_in_roster_order([contributions[p].vector for p in trainers])
+        for t in trainers.values():
+            t.apply(mean)
+        assert len({t.weight_hash() for t in trainers.values()}) == 1
+        hashes.append(trainers["a"].weight_hash())
+        rounds.append((list(trainers), {p: c.vector for p, c in contributions.items()}))
+    assert replay_rounds(start, rounds, sync_every=4, total_steps=12) == hashes
