@@ -139,8 +139,7 @@ class Driver:
             except (MeshError, OSError) as exc:
                 raise PeerError(3, f"cannot join: {exc}") from None
             log(f"joined as {self.mesh.self_id}"
-                + (f" in room {self.opts.room}" if self.opts.room else "")
-                + f" (transport {self.opts.transport})")
+                + (f" in room {self.opts.room}" if self.opts.room else ""))
             self.tasks.append(asyncio.create_task(self._pump_mesh()))
             self.tasks.append(asyncio.create_task(self._ticker()))
             self.tasks.append(asyncio.create_task(self._announce_host_link()))

@@ -14,20 +14,23 @@ from pathlib import Path
 from daisyweb.peer.driver import Driver, MeshFactory
 from daisyweb.peer.faults import Faults, TestHooks, break_kernel_for_tests
 from daisyweb.peer.handshake import leader_state, tokenizer_info
-from daisyweb.peer.options import PeerError, PeerOptions
+from daisyweb.peer.options import PeerError, PeerOptions, log
 
 __all__ = ["resolve_transport", "run_peer"]
 
 
 def resolve_transport(name: str) -> str:
-    """The transport ``--transport name`` means here ("auto" resolved: libwebrtc when wrtc
-    imports), said in the "joined as" line; PeerError(2) when it cannot load."""
+    """The transport ``--transport name`` means here ("auto" resolved), said in the
+    peer's first line; PeerError(2) when the one asked for cannot load."""
     from daisyweb.net.transport import TransportError, choose
 
     try:
         transport = choose(name)
     except TransportError as exc:
         raise PeerError(2, str(exc)) from None
+    why = " (auto: wrtc is installed)" if name == "auto" and transport.name == "libwebrtc" \
+        else " (auto: wrtc is not installed)" if name == "auto" else ""
+    log(f"transport: {transport.name}{why}")
     return transport.name
 
 
