@@ -36,6 +36,9 @@ SCENARIOS: dict[str, tuple[list[str], dict[str, str]]] = {
         "test_bad_gradient_halts_with_a_valid_checkpoint[nan]",
         "test_follower_sigkilled_mid_step_the_rest_finish",
         "test_leader_killed_mid_step_the_rest_finish",
+    )], {PEER_VAR: "libwebrtc"}),
+    # A group through a TURN server, and one whose hostile member overruns the budget.
+    "group-libwebrtc-relay-budget": ([RUN + t for t in (
         "test_relayed_group_trains_through_a_real_turn_server",
         "test_peer_over_the_reassembly_budget_loses_its_links_and_the_group_trains_on",
     )], {PEER_VAR: "libwebrtc"}),
