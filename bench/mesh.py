@@ -685,9 +685,10 @@ ANALYSIS = [
     "drops per 16 MiB exchanged (`RcvbufErrors` in `/proc/net/snmp`, aioice's 256 KiB",
     "buffer). Raising that buffer to 4 MiB removed the drops but, measured side by side,",
     "did not raise the rate, so it was not kept. Nothing in our wire is on that path",
-    "(ours = raw above); what fixes it for training is sending less, less often: rounds",
-    "mode moves 1.3 MB per 32 steps, and `bench.scaling` splits its exchange time into",
-    "transfer and waiting for the slower peer.",
+    "(an earlier aiortc-only run had ours = raw); what fixes it for training is",
+    "sending less, less often: rounds mode moves 1.3 MB per 32 steps, and",
+    "`bench.scaling` splits its exchange time into transfer and waiting for the slower",
+    "peer.",
 ]
 
 
