@@ -62,7 +62,8 @@ async def reporter(
         extra = {"heldout_loss": loss + 0.5} if step % 10 == 0 else {}
         await ws.send_json(
             status(step, loss, "aaaa", tokens_per_s=1500, probe="ok", state="training",
-                   mode="rounds H=4 int8", round=step // 4 + 1, comm_share=0.25, **extra)
+                   mode="rounds H=4 int8", round=step // 4 + 1, comm_share=0.25,
+                   transport="libwebrtc", **extra)
         )
         step += 1
         await asyncio.sleep(0.05)
@@ -183,6 +184,7 @@ async def _drive(ctx: BrowserContext, room: Room, join, tmp_path: Path) -> None:
     host_row = f'#members tr[data-peer="{host_id}"]'
     assert await page.text_content(host_row + " td.comm") == "25%"
     assert await page.text_content(host_row + " td.heldout") != "–"
+    assert await page.text_content(host_row + " td.transport") == "libwebrtc"  # issue 17
 
     # a hostile name is text: no element made of it, no script run, escapes gone
     mal = page.locator("#members tbody tr").filter(has_text="mallory")

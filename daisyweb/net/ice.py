@@ -24,6 +24,7 @@ import os
 import re
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
+from pathlib import Path
 
 __all__ = [
     "ENV_VAR",
@@ -31,6 +32,7 @@ __all__ = [
     "IceSettings",
     "filter_candidates",
     "hosts_from_env",
+    "non_loopback_interfaces",
     "normalize_hosts",
     "parse_server_url",
     "sdp_candidates",
@@ -147,3 +149,12 @@ def sdp_candidates(sdp: str) -> list[tuple[str, str]]:
             if len(parts) >= 8:
                 out.append((parts[4], parts[7]))
     return out
+
+
+def non_loopback_interfaces(net_dev: Path = Path("/proc/self/net/dev")) -> list[str]:
+    """Network interfaces of this process's network namespace other than ``lo``, sorted.
+
+    ``/proc/self/net/dev`` follows the namespace (``/sys/class/net`` shows the one sysfs
+    was mounted in)."""
+    names = [ln.split(":", 1)[0].strip() for ln in net_dev.read_text().splitlines()[2:]]
+    return sorted(n for n in names if n and n != "lo")

@@ -22,7 +22,6 @@ so ``net.link`` drives it exactly like aiortc. What differs, and how it is handl
 from __future__ import annotations
 
 import os
-from pathlib import Path
 from typing import Any
 
 import webrtc
@@ -34,21 +33,12 @@ from webrtc.aiortc import (
     RTCSessionDescription,
 )
 
-from daisyweb.net.ice import IceServer, IceSettings
+from daisyweb.net.ice import IceServer, IceSettings, non_loopback_interfaces
 from daisyweb.net.transport import TransportError
 
 __all__ = ["LOOPBACK_ONLY_VAR", "TRANSPORT", "non_loopback_interfaces"]
 
 LOOPBACK_ONLY_VAR = "DAISYWEB_LOOPBACK_ONLY"
-
-
-def non_loopback_interfaces(net_dev: Path = Path("/proc/self/net/dev")) -> list[str]:
-    """Network interfaces of this process's network namespace other than ``lo``, sorted.
-
-    ``/proc/self/net/dev`` follows the namespace (``/sys/class/net`` shows the one sysfs
-    was mounted in)."""
-    names = [ln.split(":", 1)[0].strip() for ln in net_dev.read_text().splitlines()[2:]]
-    return sorted(n for n in names if n and n != "lo")
 
 
 def check_loopback_only() -> None:

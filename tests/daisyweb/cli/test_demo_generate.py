@@ -299,3 +299,18 @@ def test_demo_passes_capacity_to_its_leader() -> None:
         assert leader[leader.index("--capacity") + 1] == flag
         assert "--capacity" not in follower  # the leader's call
     assert parser.parse_args([]).capacity == "on"
+
+
+def test_demo_passes_transport_to_every_peer_only_when_asked() -> None:
+    from daisyweb.training.config import run_config
+
+    run = run_config(2048)
+    for given, want in ((None, None), ("libwebrtc", "libwebrtc"), ("aiortc", "aiortc")):
+        args = demo._parser().parse_args(["--peers", "3"]
+                                         + (["--transport", given] if given else []))
+        cmds = demo.peer_commands(args, run, "http://127.0.0.1:9", "demo-x")
+        for cmd in cmds:
+            if want is None:  # each peer's own default: auto, or $DAISYWEB_TRANSPORT
+                assert "--transport" not in cmd
+            else:
+                assert cmd[cmd.index("--transport") + 1] == want

@@ -25,7 +25,8 @@ MESH_VAR = "DAISYWEB_TEST_MESH_TRANSPORTS"
 PEER_VAR = "DAISYWEB_TEST_PEER_TRANSPORTS"
 
 SCENARIOS: dict[str, tuple[list[str], dict[str, str]]] = {
-    # Heartbeats, backpressure, clean close, framing, bounds: every mesh test.
+    # Heartbeats, backpressure, clean close, framing, bounds, candidates, TURN relay,
+    # the reassembly budget: every mesh test.
     "mesh-libwebrtc": ([MESH], {MESH_VAR: "libwebrtc"}),
     "mesh-mixed": ([MESH], {MESH_VAR: "libwebrtc,aiortc"}),
     # The lockstep fault tests with every peer on libwebrtc.
@@ -35,6 +36,11 @@ SCENARIOS: dict[str, tuple[list[str], dict[str, str]]] = {
         "test_bad_gradient_halts_with_a_valid_checkpoint[nan]",
         "test_follower_sigkilled_mid_step_the_rest_finish",
         "test_leader_killed_mid_step_the_rest_finish",
+    )], {PEER_VAR: "libwebrtc"}),
+    # A group through a TURN server, and one whose hostile member overruns the budget.
+    "group-libwebrtc-relay-budget": ([RUN + t for t in (
+        "test_relayed_group_trains_through_a_real_turn_server",
+        "test_peer_over_the_reassembly_budget_loses_its_links_and_the_group_trains_on",
     )], {PEER_VAR: "libwebrtc"}),
     # One group, both kinds: identical hashes every boundary, a follower killed, a joiner.
     "group-mixed": ([RUN + t for t in (

@@ -503,8 +503,9 @@ async def test_reassembly_over_budget_loses_that_link_only(srv):
     for m in (a, b, c):
         await m.start()
     for m, others in ((a, (b,)), (b, (a, c)), (c, (b,))):
-        for o in others:
-            await until(m, up(o.self_id), timeout=8)
+        want = {o.self_id for o in others}
+        while want:  # PeerUps come in any order: collect them, drop none
+            want.discard((await until(m, lambda e: isinstance(e, PeerUp), timeout=8)).peer)
     ch = a._links[b.self_id].channel
     first = [framing.frame(wire.encode(grad(a.self_id, 200_000, step=i)), 500 + i)[0]
              for i in range(2)]
@@ -575,3 +576,33 @@ def test_answers_out_of_range_are_no_sample() -> None:
     link._heartbeat(wire.Heartbeat(t=1.0, echo=time.time() + 100))  # from the future
     link._heartbeat(wire.Heartbeat(t=1.0, echo=time.time() - 2 * linkmod.MAX_RTT_S))  # too old
     assert link.rtt == sample
+
+
+async def test_relay_only_links_carry_data_through_a_real_turn_server(srv, tmp_path,
+                                                                      monkeypatch):
+    from tests.turn import coturn
+
+    sent: list[str] = []
+    real = signaling_client.SignalingClient.send_signal
+
+    async def record(self, to, kind, data):
+        sent.append(data["sdp"])
+        await real(self, to, kind, data)
+
+    monkeypatch.setattr(signaling_client.SignalingClient, "send_signal", record)
+    with coturn(tmp_path) as turn:
+        servers = [ice.IceServer(turn.url, turn.user, turn.password)]
+        a, b = await connected_pair(srv, turn=servers, relay_only=True)
+        g = grad(a.self_id, 2 * 2**20)
+        await a.send(b.self_id, g)
+        assert (await until(b, received(a.self_id), timeout=15)).message == g
+        # Only relayed candidates (the server's 127.0.0.1 relay ports) were offered.
+        for sdp in sent:
+            found = ice.sdp_candidates(sdp)
+            assert found and set(found) == {("127.0.0.1", "relay")}, found
+        await a.close()
+        await b.close()
+        deadline = time.monotonic() + 10
+        while turn.relayed_bytes() < 2 * 2**20 and time.monotonic() < deadline:
+            await asyncio.sleep(0.1)  # the server logs a session's bytes when it ends
+        assert turn.relayed_bytes() >= 2 * 2**20, turn.log.read_text()[-3000:]

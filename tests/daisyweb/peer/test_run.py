@@ -15,6 +15,7 @@ import json
 import os
 import signal
 import socket
+import struct
 import subprocess
 import sys
 import time
@@ -1053,3 +1054,76 @@ async def test_a_head_start_over_another_share_is_dropped() -> None:
         driver.head = PendingHead(7, future, 4)
         assert await driver._take_head(7, rows) == want
         assert driver.head is None
+
+
+# --------------------------------------------------------------------------- TURN
+
+
+def test_relayed_group_trains_through_a_real_turn_server(group: Group) -> None:
+    # Every peer forced to relayed candidates (--relay): snapshot and gradients all go
+    # through coturn on 127.0.0.1, which counts them.
+    from tests.turn import coturn
+
+    with coturn(group.tmp) as turn:
+        lead = group.leader(*MODEL, "--steps", "4", "--wait-peers", "2", *turn.flags())
+        a = group.spawn("a", *turn.flags())
+        assert [lead.wait(), a.wait()] == [0, 0], group.logs()
+    assert same_hashes(lead, a) == oracle(group, lead)
+    size = init_params(tiny_run().model, 3).size
+    # at least both peers' float32 gradients of every step went through the server
+    assert turn.relayed_bytes() >= 2 * 4 * 4 * size, turn.log.read_text()[-2000:]
+
+
+# --------------------------------------------------------------------------- budget
+
+
+def test_peer_over_the_reassembly_budget_loses_its_links_and_the_group_trains_on(
+        group: Group) -> None:
+    # A hostile member (a mesh in this process) starts three messages of the run's largest
+    # legal size on each link and never finishes them: each peer drops that link in one
+    # line and the two real peers train to the end with identical hashes.
+    import asyncio as aio
+
+    from daisyweb.net import Mesh
+
+    lead = group.leader(*MODEL, "--steps", "6", "--wait-peers", "2", env=SLOW)
+    a = group.spawn("a", env=SLOW)
+    _wait_step(lead, 1)
+    size = init_params(tiny_run().model, 3).size
+    largest = budget.largest_message(size)
+    count = -(-largest // framing.CHUNK)
+
+    async def flood() -> list[str]:
+        m = Mesh(group.server, room=group.room, name="hostile", ice_hosts=["127.0.0.1"])
+        await m.start()
+        try:
+            want = {lead.id(), a.id()}
+            up: set[str] = set()
+            while up != want:
+                e = await aio.wait_for(m.next_event(), 30)
+                if isinstance(e, PeerUp) and e.peer in want:
+                    up.add(e.peer)
+            for peer in sorted(want):
+                channel = m._links[peer].channel  # raw frames: what no honest peer sends
+                for msg_id in (1, 2, 3):
+                    header = struct.pack("<4sQIII8s", b"DWF1", msg_id, 0, count, largest,
+                                         bytes(8))
+                    channel.send(header + bytes(framing.CHUNK))
+            down: set[str] = set()
+            while down != want:
+                e = await aio.wait_for(m.next_event(), 30)
+                if isinstance(e, PeerDown):
+                    down.add(e.peer)
+            return sorted(down)
+        finally:
+            await m.close()
+
+    assert asyncio.run(flood()) == sorted({lead.id(), a.id()})
+    assert [lead.wait(), a.wait()] == [0, 0], group.logs()
+    for p in (lead, a):
+        lines = [ln for ln in p.log.read_text().splitlines() if "reassembly budget" in ln]
+        assert len(lines) == 1 and "down (reassembly budget exceeded: " in lines[0], lines
+        assert f"over the budget of {2 * largest:,}" in lines[0]
+        assert [r["step"] for r in p.steps()] == [1, 2, 3, 4, 5, 6]
+        assert all(len(r["roster"]) == 2 for r in p.steps())
+    assert same_hashes(lead, a) == oracle(group, lead)
