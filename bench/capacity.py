@@ -15,76 +15,29 @@ shares the leader set, and the seconds per round the fast peer waited for the sl
 from __future__ import annotations
 
 import argparse
-import json
 import os
-import socket
-import subprocess
-import sys
 import tempfile
-import time
 from pathlib import Path
 
+from bench._group import ENV, peer_command, records, run_pinned, signaling_server
 from bench._results import machine, write_section
 from daisyweb.rules import DEFAULTS
 
-ENV = dict(os.environ, OPENBLAS_NUM_THREADS="1", PYTHONUNBUFFERED="1")
 SEQ = int(DEFAULTS["seq"])
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
-def _records(path: Path) -> list[dict]:
-    return [json.loads(line) for line in path.read_text().splitlines() if line]
 
 
 def pair(steps: int, capacity: str, factor: float, tmp: Path) -> dict:
     """One run of the fast leader and the slowed follower; the leader's steady rounds."""
-    port = _free_port()
-    server = subprocess.Popen(
-        [sys.executable, "-m", "signaling.cli", "--host", "127.0.0.1", "--port", str(port),
-         "--data", "builtin"], cwd=tmp, env=ENV, stdout=subprocess.DEVNULL,
-        stderr=subprocess.DEVNULL)
     tag = f"{capacity}-{factor:g}"
-    procs: list[subprocess.Popen[bytes]] = []
-    try:
-        deadline = time.monotonic() + 30
-        while True:
-            try:
-                socket.create_connection(("127.0.0.1", port), timeout=0.5).close()
-                break
-            except OSError:
-                if time.monotonic() > deadline:
-                    raise SystemExit("signaling server did not start") from None
-                time.sleep(0.1)
-        base = [sys.executable, "-m", "daisyweb.cli.peer", "--server",
-                f"http://127.0.0.1:{port}", "--room", f"cap-{tag}".replace(".", "-"),
-                "--ice-host", "127.0.0.1", "--approve", "auto", "--join-timeout", "60"]
-        lead_m, slow_m = tmp / f"{tag}.jsonl", tmp / f"{tag}-slow.jsonl"
+    lead_m, slow_m = tmp / f"{tag}.jsonl", tmp / f"{tag}-slow.jsonl"
+    with signaling_server(tmp) as url:
+        base = peer_command(url, f"cap-{tag}".replace(".", "-"))
         lead = base + ["--start", "--wait-peers", "2", "--steps", str(steps),
                        "--capacity", capacity, "--metrics", str(lead_m)]
-        procs.append(subprocess.Popen(["taskset", "-c", "0", *lead], cwd=tmp, env=ENV,
-                                      stdout=subprocess.DEVNULL, stderr=subprocess.PIPE))
-        time.sleep(1.0)  # the room's first peer is its host
         slow_env = dict(ENV, DAISYWEB_TEST_SLOW_FACTOR=f"{factor:g}")
-        procs.append(subprocess.Popen(["taskset", "-c", "1", *base, "--metrics", str(slow_m)],
-                                      cwd=tmp, env=slow_env, stdout=subprocess.DEVNULL,
-                                      stderr=subprocess.PIPE))
-        for p in procs:
-            _, err = p.communicate(timeout=3600)
-            if p.returncode != 0:
-                raise SystemExit(f"{tag}: a peer failed:\n{err.decode()[-2000:]}")
-    finally:
-        for p in procs:
-            if p.poll() is None:
-                p.kill()
-        server.terminate()
-        server.wait(timeout=10)
-    lead_r = [r for r in _records(lead_m) if "round" in r]
-    slow_r = {r["round"]: r for r in _records(slow_m) if "round" in r}
+        run_pinned([(lead, ENV), (base + ["--metrics", str(slow_m)], slow_env)], tmp, tag)
+    lead_r = [r for r in records(lead_m) if "round" in r]
+    slow_r = {r["round"]: r for r in records(slow_m) if "round" in r}
     steady = lead_r[1:]
     wall = sum(r["wall_s"] for r in steady)
     inner = steady[-1]["step"] - lead_r[0]["step"]

@@ -21,15 +21,13 @@ from __future__ import annotations
 import argparse
 import json
 import math
-import os
-import socket
 import subprocess
 import sys
 import tempfile
-import time
 from dataclasses import asdict
 from pathlib import Path
 
+from bench._group import ENV, peer_command, records, run_pinned, signaling_server
 from bench._results import machine, write_section
 from bench.rounds_sim import SimResult, simulate
 from daisyweb.checkpoints.checkpoint import load_checkpoint
@@ -38,10 +36,6 @@ from daisyweb.training.evaluate import DEFAULT_BATCHES, heldout_batches, heldout
 
 ROOT = Path(__file__).resolve().parent.parent
 STEP_TOKENS = int(DEFAULTS["batch"]) * int(DEFAULTS["seq"])  # one peer's tokens per step
-# aiortc, the transport every install has (and the slower one): libwebrtc runs only
-# inside a loopback-only network namespace (bench.mesh compares the two there).
-ENV = dict(os.environ, OPENBLAS_NUM_THREADS="1", PYTHONUNBUFFERED="1",
-           DAISYWEB_TRANSPORT="aiortc", DAISYWEB_LOOPBACK_ONLY="1")
 MODES = [  # (label, sync_every, codec, overlap)
     ("lockstep f32", 1, "f32", 0),
     ("lockstep int8", 1, "int8", 0),
@@ -54,23 +48,13 @@ MODES = [  # (label, sync_every, codec, overlap)
 DEFAULT_OVERLAP = 4
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
-def _records(path: Path) -> list[dict]:
-    return [json.loads(line) for line in path.read_text().splitlines() if line]
-
-
 def one_peer(steps: int, tmp: Path) -> dict:
     """One peer alone on core 0: training seconds (sum of step times) and its checkpoint."""
     metrics, ckpt = tmp / "solo.jsonl", tmp / "solo.pt"
     cmd = ["taskset", "-c", "0", sys.executable, "-m", "daisyweb.cli.demo", "--peers", "1",
            "--steps", str(steps), "--metrics", str(metrics), "--save", str(ckpt)]
     subprocess.run(cmd, cwd=tmp, env=ENV, check=True, capture_output=True, timeout=1800)
-    recs = [r for r in _records(metrics) if "compute_s" in r]
+    recs = [r for r in records(metrics) if "compute_s" in r]
     secs = sum(r["compute_s"] for r in recs)
     return {"train_s": secs, "tokens_per_s": len(recs) * STEP_TOKENS / secs, "ckpt": ckpt}
 
@@ -78,48 +62,16 @@ def one_peer(steps: int, tmp: Path) -> dict:
 def two_peers(steps: int, sync_every: int, codec: str, tmp: Path, tag: str,
               extra: tuple[str, ...] = (), overlap: int = 0) -> dict:
     """Two peers pinned to cores 0 and 1 over aiortc on loopback; the leader's records."""
-    port = _free_port()
-    server = subprocess.Popen(
-        [sys.executable, "-m", "signaling.cli", "--host", "127.0.0.1", "--port", str(port),
-         "--data", "builtin"], cwd=tmp, env=ENV, stdout=subprocess.DEVNULL,
-        stderr=subprocess.DEVNULL)
-    procs: list[subprocess.Popen[bytes]] = []
-    try:
-        deadline = time.monotonic() + 30
-        while True:
-            try:
-                socket.create_connection(("127.0.0.1", port), timeout=0.5).close()
-                break
-            except OSError:
-                if time.monotonic() > deadline:
-                    raise SystemExit("signaling server did not start") from None
-                time.sleep(0.1)
-        url, room = f"http://127.0.0.1:{port}", f"scale-{tag}"
-        base = [sys.executable, "-m", "daisyweb.cli.peer", "--server", url, "--room", room,
-                "--ice-host", "127.0.0.1", "--approve", "auto", "--join-timeout", "60"]
-        metrics, ckpt = tmp / f"{tag}.jsonl", tmp / f"{tag}.pt"
-        follower_metrics = tmp / f"{tag}-follower.jsonl"
+    metrics, ckpt = tmp / f"{tag}.jsonl", tmp / f"{tag}.pt"
+    follower_metrics = tmp / f"{tag}-follower.jsonl"
+    with signaling_server(tmp) as url:
+        base = peer_command(url, f"scale-{tag}")
         lead = base + ["--start", "--wait-peers", "2", "--steps", str(steps),
                        "--sync-every", str(sync_every), "--codec", codec,
                        "--overlap", str(overlap),
                        "--metrics", str(metrics), "--save", str(ckpt), *extra]
-        procs.append(subprocess.Popen(["taskset", "-c", "0", *lead], cwd=tmp, env=ENV,
-                                      stdout=subprocess.DEVNULL, stderr=subprocess.PIPE))
-        time.sleep(1.0)  # the room's first peer is its host
-        follow = base + ["--metrics", str(follower_metrics)]
-        procs.append(subprocess.Popen(["taskset", "-c", "1", *follow], cwd=tmp, env=ENV,
-                                      stdout=subprocess.DEVNULL, stderr=subprocess.PIPE))
-        for p in procs:
-            _, err = p.communicate(timeout=3600)
-            if p.returncode != 0:
-                raise SystemExit(f"{tag}: a peer failed:\n{err.decode()[-2000:]}")
-    finally:
-        for p in procs:
-            if p.poll() is None:
-                p.kill()
-        server.terminate()
-        server.wait(timeout=10)
-    recs = [r for r in _records(metrics) if "round" in r]
+        run_pinned([(lead, ENV), (base + ["--metrics", str(follower_metrics)], ENV)], tmp, tag)
+    recs = [r for r in records(metrics) if "round" in r]
     # The first exchange includes the links' warm-up; it is dropped from the rates.
     steady = recs[1:]
     wall = sum(r["wall_s"] for r in steady)
@@ -132,7 +84,7 @@ def two_peers(steps: int, sync_every: int, codec: str, tmp: Path, tag: str,
         "compute_per_step": sum(r["compute_s"] for r in steady) / steps,
         "ckpt": ckpt,
         "records": recs,
-        **_exchange_split(steady, [r for r in _records(follower_metrics) if "round" in r][1:]),
+        **_exchange_split(steady, [r for r in records(follower_metrics) if "round" in r][1:]),
     }
 
 

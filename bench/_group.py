@@ -1,0 +1,85 @@
+"""What the group benchmarks share: a signaling server on 127.0.0.1 and pinned peers.
+
+Peers run over aiortc, the transport every install has: libwebrtc runs only inside a
+loopback-only network namespace (``bench._netns``; bench.mesh, bench.group and
+bench.memory compare the two there), and ``DAISYWEB_LOOPBACK_ONLY`` makes a libwebrtc
+peer started here refuse instead of gathering this machine's other addresses.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import socket
+import subprocess
+import sys
+import time
+from collections.abc import Iterator, Sequence
+from pathlib import Path
+
+ENV = dict(os.environ, OPENBLAS_NUM_THREADS="1", PYTHONUNBUFFERED="1",
+           DAISYWEB_TRANSPORT="aiortc", DAISYWEB_LOOPBACK_ONLY="1")
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def records(path: Path) -> list[dict]:
+    """A metrics file's JSON lines."""
+    return [json.loads(line) for line in path.read_text().splitlines() if line]
+
+
+@contextlib.contextmanager
+def signaling_server(cwd: Path) -> Iterator[str]:
+    """A ``daisyweb-signal`` on a free 127.0.0.1 port with the built-in corpus; its URL."""
+    port = free_port()
+    server = subprocess.Popen(
+        [sys.executable, "-m", "signaling.cli", "--host", "127.0.0.1", "--port", str(port),
+         "--data", "builtin"], cwd=cwd, env=ENV, stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL)
+    try:
+        deadline = time.monotonic() + 30
+        while True:
+            try:
+                socket.create_connection(("127.0.0.1", port), timeout=0.5).close()
+                break
+            except OSError:
+                if time.monotonic() > deadline:
+                    raise SystemExit("signaling server did not start") from None
+                time.sleep(0.1)
+        yield f"http://127.0.0.1:{port}"
+    finally:
+        server.terminate()
+        server.wait(timeout=10)
+
+
+def peer_command(server: str, room: str) -> list[str]:
+    """``daisyweb-peer`` joining ``room`` on loopback, admitting everyone with the code."""
+    return [sys.executable, "-m", "daisyweb.cli.peer", "--server", server, "--room", room,
+            "--ice-host", "127.0.0.1", "--approve", "auto", "--join-timeout", "60"]
+
+
+def run_pinned(peers: Sequence[tuple[list[str], dict[str, str]]], cwd: Path,
+               tag: str) -> None:
+    """Run each (command, env) pinned to core i; the first (the leader, the room's host)
+    gets a second's head start. SystemExit naming the run if any peer fails."""
+    procs: list[subprocess.Popen[bytes]] = []
+    try:
+        for core, (cmd, env) in enumerate(peers):
+            procs.append(subprocess.Popen(["taskset", "-c", str(core), *cmd], cwd=cwd,
+                                          env=env, stdout=subprocess.DEVNULL,
+                                          stderr=subprocess.PIPE))
+            if core == 0:
+                time.sleep(1.0)  # the room's first peer is its host
+        for p in procs:
+            _, err = p.communicate(timeout=3600)
+            if p.returncode != 0:
+                raise SystemExit(f"{tag}: a peer failed:\n{err.decode()[-2000:]}")
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
