@@ -13,42 +13,12 @@ import logging
 
 import aiohttp
 import pytest
-from aiohttp import web
 
 from signaling import protocol, server
 from signaling.server import REGISTRY, create_app
+from tests.signaling.local_server import Server
 
 STATUS = {"type": "status", "step": 1, "loss": 2.0, "hash": "ab", "peers": 1}
-
-
-class Server:
-    def __init__(self, **kw: object) -> None:
-        self.app = create_app(**kw)
-        self.runner = web.AppRunner(self.app)
-
-    async def start(self) -> Server:
-        await self.runner.setup()
-        site = web.TCPSite(self.runner, "127.0.0.1", 0)
-        await site.start()
-        self.url = f"http://127.0.0.1:{site._server.sockets[0].getsockname()[1]}"
-        self.session = aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0))
-        return self
-
-    async def stop(self) -> None:
-        await self.session.close()
-        await self.runner.cleanup()
-
-    async def ws(self, headers: dict | None = None, **query: str):
-        return await self.session.ws_connect(self.url + "/ws", params=query, headers=headers)
-
-    async def get(self, path: str, **params: str) -> tuple[int, object]:
-        async with self.session.get(self.url + path, params=params) as r:
-            body = await r.json() if r.content_type == "application/json" else await r.text()
-            return r.status, body
-
-    @property
-    def reg(self) -> server.Registry:
-        return self.app[REGISTRY]
 
 
 @pytest.fixture

@@ -9,12 +9,11 @@ from __future__ import annotations
 import asyncio
 import json
 
-import aiohttp
 import pytest
-from aiohttp import web
 
 from signaling import protocol, server
-from signaling.server import REGISTRY, create_app
+from signaling.server import REGISTRY
+from tests.signaling.local_server import Server
 
 STATUS = {"type": "status", "step": 1, "loss": 2.0, "hash": "ab", "peers": 1}
 POOL = {"cpu": "Intel(R) Core(TM)2 Duo CPU E8400 @ 3.00GHz", "cores": 2, "ram_mb": 3953,
@@ -70,26 +69,6 @@ def test_pool_fields_refused_when_bad(extra: dict) -> None:
     assert e.value.code == "bad_field" and repr(next(iter(extra))) in e.value.message
 
 
-class Server:
-    async def start(self) -> Server:
-        self.app = create_app()
-        self.runner = web.AppRunner(self.app)
-        await self.runner.setup()
-        site = web.TCPSite(self.runner, "127.0.0.1", 0)
-        await site.start()
-        self.url = f"http://127.0.0.1:{site._server.sockets[0].getsockname()[1]}"
-        self.session = aiohttp.ClientSession()
-        return self
-
-    async def stop(self) -> None:
-        await self.session.close()
-        await self.runner.cleanup()
-
-    async def get(self, path: str) -> dict:
-        async with self.session.get(self.url + path) as r:
-            return await r.json()
-
-
 @pytest.fixture
 async def srv():
     s = await Server().start()
@@ -114,7 +93,7 @@ async def test_pool_fields_stored_and_kept_through_the_final_report(srv: Server)
     await ws.send_json(STATUS | POOL | {"step": 64, "heldout_loss": 5.5, "heldout_step": 32})
     await ws.send_json(STATUS | {"step": 64, "state": "done"})  # machine and links left out
     await _settle(lambda: group.reports.get(me, {}).get("state") == "done")
-    info = await srv.get(f"/api/groups/{gid}")
+    _, info = await srv.get(f"/api/groups/{gid}")
     r = info["reports"][me]
     sticky = {k: v for k, v in POOL.items() if k != "links"}
     assert {k: r[k] for k in sticky} == sticky
@@ -123,7 +102,7 @@ async def test_pool_fields_stored_and_kept_through_the_final_report(srv: Server)
     assert info["heldout_history"] == {me: [[32, 5.5]]}
     await ws.send_json(STATUS | {"step": 96, "heldout_loss": 5.25})
     await _settle(lambda: group.reports[me]["step"] == 96)
-    assert (await srv.get(f"/api/groups/{gid}"))["heldout_history"][me] == [[32, 5.5],
+    assert (await srv.get(f"/api/groups/{gid}"))[1]["heldout_history"][me] == [[32, 5.5],
                                                                             [96, 5.25]]
     # a refused report changes nothing
     await ws.send_json(STATUS | {"step": 97, "links": {"0a": -5}})

@@ -6,35 +6,14 @@ import asyncio
 
 import aiohttp
 import pytest
-from aiohttp import web
 
 from signaling.server import RATE_BURST, REGISTRY, create_app
-
-
-class Srv:
-    def __init__(self, **kw) -> None:
-        self.app = create_app(**kw)
-        self.runner = web.AppRunner(self.app)
-
-    async def start(self) -> Srv:
-        await self.runner.setup()
-        site = web.TCPSite(self.runner, "127.0.0.1", 0)
-        await site.start()
-        self.url = f"http://127.0.0.1:{site._server.sockets[0].getsockname()[1]}"
-        self.session = aiohttp.ClientSession()
-        return self
-
-    async def stop(self) -> None:
-        await self.session.close()
-        await self.runner.cleanup()
-
-    async def ws(self, **query):
-        return await self.session.ws_connect(self.url + "/ws", params=query)
+from tests.signaling.local_server import Server
 
 
 @pytest.fixture
 async def srv():
-    s = await Srv().start()
+    s = await Server().start()
     yield s
     await s.stop()
 
@@ -134,7 +113,7 @@ async def test_no_waiting_peer_means_the_room_goes_away(srv):
     assert srv.app[REGISTRY].groups == {}
 
 
-async def _burst(srv: Srv, n: int, idle: float = 0.0) -> int:
+async def _burst(srv: Server, n: int, idle: float = 0.0) -> int:
     """Send n status messages at once; count the rate_limited errors that come back.
 
     An accepted status gets no reply, so replies are read until the socket goes quiet.
@@ -158,7 +137,7 @@ async def _burst(srv: Srv, n: int, idle: float = 0.0) -> int:
 
 
 async def test_rate_limit_is_configurable():
-    tight = await Srv(rate_per_s=0.5, rate_burst=3).start()
+    tight = await Server(rate_per_s=0.5, rate_burst=3).start()
     try:
         assert await _burst(tight, 6) == 3  # burst 3: the first 3 pass, the rest refused
     finally:
@@ -166,7 +145,7 @@ async def test_rate_limit_is_configurable():
 
 
 async def test_idle_refill_stops_at_the_burst():
-    s = await Srv(rate_per_s=5, rate_burst=3).start()
+    s = await Server(rate_per_s=5, rate_burst=3).start()
     try:
         # 1 s idle would refill 5 tokens; the bucket holds 3, so 6 at once still overflow
         assert await _burst(s, 6, idle=1.0) >= 2

@@ -1,0 +1,41 @@
+"""A real ``daisyweb-signal`` app on a free 127.0.0.1 port, with a client session: the
+server the signaling tests talk to (started and stopped by each test)."""
+
+from __future__ import annotations
+
+import aiohttp
+from aiohttp import web
+
+from signaling import server
+from signaling.server import REGISTRY, create_app
+
+
+class Server:
+    def __init__(self, **kw: object) -> None:
+        self.app = create_app(**kw)
+        self.runner = web.AppRunner(self.app)
+
+    async def start(self) -> Server:
+        await self.runner.setup()
+        site = web.TCPSite(self.runner, "127.0.0.1", 0)
+        await site.start()
+        self.url = f"http://127.0.0.1:{site._server.sockets[0].getsockname()[1]}"
+        self.session = aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0))
+        return self
+
+    async def stop(self) -> None:
+        await self.session.close()
+        await self.runner.cleanup()
+
+    async def ws(self, headers: dict | None = None, **query: str):
+        return await self.session.ws_connect(self.url + "/ws", params=query, headers=headers)
+
+    async def get(self, path: str, **params: str) -> tuple[int, object]:
+        """Status and body (JSON decoded when it is JSON) of a GET."""
+        async with self.session.get(self.url + path, params=params) as r:
+            body = await r.json() if r.content_type == "application/json" else await r.text()
+            return r.status, body
+
+    @property
+    def reg(self) -> server.Registry:
+        return self.app[REGISTRY]
