@@ -705,6 +705,15 @@ def _in_halves(tokens: np.ndarray, body: Any) -> None:
         parallel.both(lambda: body(0, parts[0]), lambda: body(1, parts[1]))
 
 
+def _forward_rows(mode: _Mode, tokens: np.ndarray, body: Any) -> None:
+    """``body`` over the whole batch at once where :func:`_whole_forward` allows, else by
+    halves (:func:`_in_halves`)."""
+    if _whole_forward(mode):
+        body(0, _Rows(slice(0, tokens.shape[0]), tokens.shape[1]))
+    else:
+        _in_halves(tokens, body)
+
+
 def _whole_forward(mode: _Mode) -> bool:
     """On one core, run the forward over the whole batch at once (half the calls): the
     same bits as by halves, because with int8 linear layers every forward operation is
@@ -729,10 +738,7 @@ def forward(cfg: ModelConfig, params: np.ndarray, tokens: np.ndarray, *,
         _forward(cfg, p, tokens, mode, work, False, logits[half.r], half)
 
     try:
-        if _whole_forward(mode):
-            body(0, _Rows(slice(0, bsz), t))
-        else:
-            _in_halves(tokens, body)
+        _forward_rows(mode, tokens, body)
     finally:
         _give(work)
     return logits.reshape(bsz, t, cfg.vocab)
@@ -818,10 +824,7 @@ def loss_only(cfg: ModelConfig, params: np.ndarray, batch: np.ndarray, *,
             _forward(cfg, p, inputs, mode, work, False, lg, half)
             _cross_entropy(lg, targets[half.r], False, targets.size, nll[half.r])
 
-        if _whole_forward(mode):
-            body(0, _Rows(slice(0, bsz), t))
-        else:
-            _in_halves(inputs, body)
+        _forward_rows(mode, inputs, body)
     finally:
         _give(work)
     return float(np.mean(nll, dtype=np.float64))
