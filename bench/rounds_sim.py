@@ -115,11 +115,13 @@ if __name__ == "__main__":
     ap.add_argument("--outer-lr", type=float, default=1.0)
     ap.add_argument("--lr", type=float, default=float(DEFAULTS["lr"]))
     ap.add_argument("--overlap", type=int, default=0)
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--eval-every", type=int, default=50)
     a = ap.parse_args()
     r = simulate(a.peers, a.steps, a.sync_every, a.codec, a.outer_lr, lr=a.lr,
-                 overlap=a.overlap)
+                 overlap=a.overlap, seed=a.seed, eval_every=a.eval_every)
     print(json.dumps({"peers": r.peers, "H": r.sync_every, "codec": r.codec,
                       "outer_lr": r.outer_lr, "lr": a.lr, "steps": r.steps,
-                      "overlap": a.overlap,
+                      "overlap": a.overlap, "seed": a.seed,
                       "curve": r.curve, "bytes": r.bytes_per_peer,
                       "s": round(r.compute_s, 1)}))
