@@ -50,12 +50,12 @@ DEFAULTS: MappingProxyType[str, int | float | str] = MappingProxyType({
     # lr 5e-3: one peer's 300-step held-out loss is the same as at 3e-3 (5.516 vs 5.511),
     # and a group in rounds reaches it sooner (docs/limits.md, section 2).
     "batch": 8, "steps": 300, "lr": 5e-3, "seed": 0, "data": "builtin",
-    # Rounds of 32 local steps exchanging int8 deltas: the mode that reaches a given
-    # held-out loss soonest on real links (docs/limits.md, python -m bench.scaling).
-    "sync_every": 32, "codec": "int8", "outer_lr": 1.0,
-    # Each round's first 4 steps run while the last round's exchange is in flight
-    # (training.rounds.HeadStart): no loss cost measured, the link's time hidden.
-    "overlap": 4,
+    # Rounds of 16 local steps exchanging int8 deltas, each round's first 2 steps taken
+    # while the last round's exchange is in flight (training.rounds.HeadStart): of the
+    # modes measured, the one that reaches a given held-out loss soonest on real links
+    # (docs/limits.md section 2, python -m bench.scaling and bench.rounds_sim).
+    "sync_every": 16, "codec": "int8", "outer_lr": 1.0,
+    "overlap": 2,
 })
 # What a run without these settings (an older checkpoint) was: lockstep, float32.
 LOCKSTEP = MappingProxyType({"sync_every": 1, "codec": "f32", "outer_lr": 1.0, "overlap": 0})

@@ -45,7 +45,7 @@ class RecordingEncoder:
 
 
 def mode(run: RunConfig) -> str:
-    """The exchange mode as shown to users: ``lockstep f32`` or ``rounds H=32 int8``."""
+    """The exchange mode as shown to users: ``lockstep f32`` or ``rounds H=16 int8``."""
     if run.sync_every == 1:
         return f"lockstep {run.codec}"
     return f"rounds H={run.sync_every} {run.codec}"
