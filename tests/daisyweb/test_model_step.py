@@ -225,11 +225,12 @@ def _batch(cfg: ModelConfig, b: int, t: int, seed: int = 0) -> np.ndarray:
 
 
 def _poison_workspaces() -> int:
-    """NaN into every buffer of every idle workspace; returns how many were poisoned."""
+    """NaN into every float buffer of every idle workspace, -128 (a value quantization
+    never makes) into the int8 ones of the prepared weights; returns how many."""
     count = 0
     for work in model._pool:
         for buf in work.buffers():
-            buf.fill(np.nan)
+            buf.fill(np.nan if buf.dtype.kind == "f" else -128)
             count += 1
     return count
 
