@@ -396,13 +396,22 @@ def _give(work: _Work) -> None:
         del _pool[:-_POOL_MAX]
 
 
+def _row_mean(x: np.ndarray, out: np.ndarray) -> None:
+    """out [n, 1] = mean of each row of x: what ``np.mean(x, axis=-1, keepdims=True,
+    out=out)`` computes, bit for bit, without its Python wrapper (which holds the GIL
+    through a float64 division of the small column: float32 operands divided in
+    binary64 and rounded once equal the float32 division, 53 >= 2 * 24 + 2)."""
+    np.add.reduce(x, axis=-1, keepdims=True, out=out)
+    np.divide(out, out.dtype.type(x.shape[-1]), out=out)
+
+
 def _layernorm(x: np.ndarray, g: np.ndarray, b: np.ndarray, out: np.ndarray,
                xhat: np.ndarray, rstd: np.ndarray, tmp: np.ndarray) -> None:
     """out = LN(x) * g + b; keeps xhat and rstd [n, 1] for the backward."""
-    np.mean(x, axis=-1, keepdims=True, out=rstd)
+    _row_mean(x, rstd)
     np.subtract(x, rstd, out=xhat)  # xc
     np.multiply(xhat, xhat, out=tmp)
-    np.mean(tmp, axis=-1, keepdims=True, out=rstd)  # var
+    _row_mean(tmp, rstd)  # var
     rstd += x.dtype.type(_LN_EPS)
     np.sqrt(rstd, out=rstd)
     np.divide(1.0, rstd, out=rstd)
@@ -416,13 +425,13 @@ def _layernorm_back(dy: np.ndarray, g: np.ndarray, xhat: np.ndarray, rstd: np.nd
                     ) -> np.ndarray:
     """dL/dx into ``dy`` (overwritten); fills dg, db. ``col`` is [n, 1] scratch."""
     np.multiply(dy, xhat, out=tmp)
-    np.sum(tmp, axis=0, out=dg)
-    np.sum(dy, axis=0, out=db)
+    np.add.reduce(tmp, axis=0, out=dg)
+    np.add.reduce(dy, axis=0, out=db)
     dy *= g  # dxhat
     np.multiply(dy, xhat, out=tmp)
-    np.mean(tmp, axis=-1, keepdims=True, out=col)  # c
+    _row_mean(tmp, col)  # c
     np.multiply(xhat, col, out=tmp)
-    np.mean(dy, axis=-1, keepdims=True, out=col)  # a
+    _row_mean(dy, col)  # a
     dy -= col
     dy -= tmp
     dy *= rstd
@@ -517,10 +526,10 @@ def _forward(cfg: ModelConfig, p: dict[str, np.ndarray], tokens: np.ndarray, mod
         att = work("att", (bsz, h, t, t), j)[half.b]
         np.matmul(qs, q5[1].transpose(0, 1, 3, 2), out=att)
         att += bias
-        np.max(att, axis=-1, keepdims=True, out=col)
+        np.maximum.reduce(att, axis=-1, keepdims=True, out=col)
         att -= col
         np.exp(att, out=att)
-        np.sum(att, axis=-1, keepdims=True, out=col)
+        np.add.reduce(att, axis=-1, keepdims=True, out=col)
         att /= col
         y = work("y", (n, c), j)[r]
         np.matmul(att, q5[2], out=y.reshape(b, t, h, d).transpose(0, 2, 1, 3))
@@ -548,10 +557,10 @@ def _cross_entropy(logits: np.ndarray, targets: np.ndarray, want_grad: bool, tot
     n = logits.shape[0]
     rows = np.arange(n)
     z = logits
-    z -= z.max(axis=-1, keepdims=True)
+    z -= np.maximum.reduce(z, axis=-1, keepdims=True)
     picked = z[rows, targets]  # fancy indexing: a copy
     e = np.exp(z, out=z)
-    sums = e.sum(axis=-1)
+    sums = np.add.reduce(e, axis=-1)
     np.subtract(np.log(sums), picked, out=nll)
     if want_grad:
         e /= sums[:, None]
@@ -650,7 +659,7 @@ def _backward_rows(cfg: ModelConfig, p: dict[str, np.ndarray], g: dict[str, np.n
         np.matmul(att.transpose(0, 1, 3, 2), dy, out=d5[2])
         # softmax backward: ds = att * (datt - sum(datt * att))
         np.multiply(datt, att, out=tmp4)
-        np.sum(tmp4, axis=-1, keepdims=True, out=col4)
+        np.add.reduce(tmp4, axis=-1, keepdims=True, out=col4)
         datt -= col4
         datt *= att
         np.matmul(datt, q5[1], out=d5[0])
@@ -676,7 +685,7 @@ def _weight_jobs(cfg: ModelConfig, g: dict[str, np.ndarray], work: _Work, n: int
                      lambda: np.matmul(a.T, b, out=g[name])))
 
     def bias(name: str, b: np.ndarray) -> None:
-        jobs.append((0, lambda: np.sum(b, axis=0, out=g[name])))
+        jobs.append((0, lambda: np.add.reduce(b, axis=0, out=g[name])))
 
     gemm("head.w", work("hf", (n, c)), dlogits)
     for i in range(cfg.layers):
