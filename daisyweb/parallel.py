@@ -21,7 +21,6 @@ import glob
 import os
 import threading
 from collections.abc import Callable
-from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 import numpy as np
@@ -57,9 +56,53 @@ def _openblas_setter() -> Callable[[int], Any] | None:
     return None
 
 
+class _Helper:
+    """One helper thread that runs the second half of a ``both`` call.
+
+    A hand-off is two plain locks (the caller releases ``go``, the helper releases
+    ``done``): a ThreadPoolExecutor's futures and conditions held the GIL several
+    times longer per call, and a step makes a few of these calls. ``busy`` keeps a
+    second caller (another thread) from sharing the helper: that one runs in turn.
+    """
+
+    def __init__(self) -> None:
+        self.busy = threading.Lock()
+        self.go = threading.Lock()
+        self.done = threading.Lock()
+        self.go.acquire()
+        self.done.acquire()
+        self.fn: Callable[[], Any] | None = None
+        self.err: BaseException | None = None
+        threading.Thread(target=self._loop, name="daisyweb-half", daemon=True).start()
+
+    def _loop(self) -> None:
+        _local.helper = True
+        while True:
+            self.go.acquire()
+            try:
+                assert self.fn is not None
+                self.fn()
+            except BaseException as e:  # handed to the caller, re-raised there
+                self.err = e
+            finally:
+                self.done.release()
+
+    def run(self, first: Callable[[], Any], second: Callable[[], Any]) -> None:
+        """``first`` here and ``second`` on the helper; the caller holds ``busy``."""
+        self.fn, self.err = second, None
+        self.go.release()
+        try:
+            first()
+        finally:
+            self.done.acquire()  # always wait: the second half may still write buffers
+            err, self.fn, self.err = self.err, None, None
+        if err is not None:
+            raise err
+
+
 _lock = threading.Lock()
 _cores = 0  # 0: not decided yet
-_pool: ThreadPoolExecutor | None = None
+_pool: _Helper | None = None
 _blas_threads: Callable[[int], Any] | None = None
 _blas_before = 1
 
@@ -73,7 +116,7 @@ def set_cores(n: int) -> None:
         _cores = min(2, n)
         if _cores == 2:
             if _pool is None:
-                _pool = ThreadPoolExecutor(1, thread_name_prefix="daisyweb-half")
+                _pool = _Helper()
             if _blas_threads is None:
                 _blas_threads = _openblas_setter()
             if _blas_threads is not None:
@@ -103,22 +146,16 @@ def _forget_after_fork() -> None:
 os.register_at_fork(after_in_child=_forget_after_fork)
 
 
-def _as_helper(fn: Callable[[], Any]) -> None:
-    _local.helper = True
-    fn()
-
-
 def both(first: Callable[[], Any], second: Callable[[], Any]) -> None:
     """Run ``first`` and ``second`` (independent, each writing only its own data): in
     parallel on two cores, else in turn. Re-raises the first error either raised."""
-    if cores() < 2 or _pool is None or getattr(_local, "helper", False):
-        first()  # (on the helper thread itself: in turn, never wait on ourselves)
-        second()
+    helper = _pool
+    if (cores() < 2 or helper is None or getattr(_local, "helper", False)
+            or not helper.busy.acquire(blocking=False)):
+        first()  # (on the helper thread itself, or while another thread uses the
+        second()  # helper: in turn, never wait on ourselves)
         return
-    fut = _pool.submit(_as_helper, second)
     try:
-        first()
+        helper.run(first, second)
     finally:
-        err = fut.exception()  # always wait: the second half may still write buffers
-    if err is not None:
-        raise err
+        helper.busy.release()

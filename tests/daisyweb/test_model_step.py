@@ -383,3 +383,37 @@ def test_parallel_both_runs_everything_and_reraises() -> None:
     for bad in (0, -1, 1.5, True):
         with pytest.raises(ValueError, match="positive integer"):
             parallel.set_cores(bad)  # type: ignore[arg-type]
+
+
+def test_parallel_both_from_two_threads_at_once() -> None:
+    """A second caller while the helper thread is taken runs its halves in turn: each
+    call still runs both of its own halves exactly once, and nobody waits forever."""
+    import threading
+
+    before = parallel.cores()
+    parallel.set_cores(2)
+    try:
+        holding, release = threading.Event(), threading.Event()
+        seen_a: list[str] = []
+        seen_b: list[tuple[str, bool]] = []
+
+        def a_first() -> None:
+            holding.set()
+            assert release.wait(10)
+            seen_a.append("first")
+
+        def caller_a() -> None:
+            parallel.both(a_first, lambda: seen_a.append("second"))
+
+        ta = threading.Thread(target=caller_a)
+        ta.start()
+        assert holding.wait(10)  # A is inside both(), the helper thread is taken
+        me = threading.current_thread()
+        parallel.both(lambda: seen_b.append(("first", threading.current_thread() is me)),
+                      lambda: seen_b.append(("second", threading.current_thread() is me)))
+        assert seen_b == [("first", True), ("second", True)]  # in turn, on this thread
+        release.set()
+        ta.join(10)
+        assert not ta.is_alive() and sorted(seen_a) == ["first", "second"]
+    finally:
+        parallel.set_cores(before)
