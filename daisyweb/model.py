@@ -32,7 +32,10 @@ shape; ``loss_and_grad(..., out=grad)`` also reuses the gradient. Each buffer is
 before it is read in every call, so results do not depend on what a workspace held.
 A batch is computed in two fixed halves of rows, on two cores when ``daisyweb.parallel``
 allows it, and the weight gradients over the whole batch afterwards (see "model" below):
-the bits depend on the batch size, never on the core count.
+the bits depend on the batch size, never on the core count. A call by halves quantizes
+every linear weight once for both (``kernels.quantize_weight``, int8 in the workspace:
+about one byte per weight) and each half multiplies through
+``kernels.int8_matmul_prepared``: the same bits as quantizing the weight in each half.
 """
 
 from __future__ import annotations
