@@ -417,3 +417,36 @@ def test_parallel_both_from_two_threads_at_once() -> None:
         assert not ta.is_alive() and sorted(seen_a) == ["first", "second"]
     finally:
         parallel.set_cores(before)
+
+
+def test_blas_runs_one_thread_per_call_at_any_core_count() -> None:
+    """The model's GEMMs never depend on how OpenBLAS splits them over its threads."""
+    get = parallel._openblas_fn("scipy_openblas_get_num_threads64_",
+                                "scipy_openblas_get_num_threads")
+    if get is None:
+        pytest.skip("numpy's BLAS is not the bundled OpenBLAS")
+    before = parallel.cores()
+    try:
+        for n in (2, 1, 2, 1):
+            parallel.set_cores(n)
+            assert get() == 1, n
+    finally:
+        parallel.set_cores(before)
+
+
+def test_one_core_and_two_give_the_same_bytes_on_the_zen_kernels() -> None:
+    """The same check in a process whose OpenBLAS loaded the kernel set daisyweb asks
+    for on AMD Zen 4 (daisyweb.blascore), where two BLAS threads changed some bits."""
+    import os
+    import subprocess
+    import sys
+
+    code = ("import daisyweb, numpy; from tests.daisyweb import test_model_step as t; "
+            "t.test_one_core_and_two_give_the_same_bytes(); print('ok')")
+    env = {**os.environ, "OPENBLAS_CORETYPE": "ZEN"}
+    env.pop("OPENBLAS_NUM_THREADS", None)
+    env.pop("DAISYWEB_THREADS", None)
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    r = subprocess.run([sys.executable, "-c", code], cwd=root, env=env, capture_output=True,
+                       text=True, timeout=120)
+    assert r.returncode == 0 and r.stdout.split()[-1:] == ["ok"], r.stderr[-2000:]
