@@ -176,9 +176,11 @@ def worker(side: str, case_key: str, threads: int) -> None:
     info: dict[str, Any] = {"side": side}
     if side == "numpy":
         import kernels
+        from daisyweb import parallel
 
         step = numpy_step(case)
         info["backend"] = kernels.active_backend()
+        info["blas_core"] = parallel.blas_core()
         if "torch" in sys.modules:
             raise SystemExit("the numpy worker must not import torch")
     else:
@@ -397,7 +399,8 @@ def main(argv: list[str] | None = None) -> None:
         f"{load_before} before, {_load()} after (shared machine).",
         "",
         f"A step = forward (every linear layer through `kernels.int8_matmul`, backend "
-        f"`{info['numpy']['backend']}`), float32 backward into a reused gradient buffer, "
+        f"`{info['numpy']['backend']}`, OpenBLAS kernels `{info['numpy']['blas_core']}`: "
+        f"see `daisyweb.blascore`), float32 backward into a reused gradient buffer, "
         f"DaisyAdam; PyTorch {info['torch']['torch']} runs the same model, initial weights "
         f"and batch in float32 with autograd and `torch.optim.AdamW`. Each side runs in its "
         f"own worker process with OPENBLAS_NUM_THREADS = OMP_NUM_THREADS = "

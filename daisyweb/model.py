@@ -32,7 +32,10 @@ shape; ``loss_and_grad(..., out=grad)`` also reuses the gradient. Each buffer is
 before it is read in every call, so results do not depend on what a workspace held.
 A batch is computed in two fixed halves of rows, on two cores when ``daisyweb.parallel``
 allows it, and the weight gradients over the whole batch afterwards (see "model" below):
-the bits depend on the batch size, never on the core count.
+the bits depend on the batch size, never on the core count. A call by halves quantizes
+every linear weight once for both (``kernels.quantize_weight``, int8 in the workspace:
+about one byte per weight) and each half multiplies through
+``kernels.int8_matmul_prepared``: the same bits as quantizing the weight in each half.
 """
 
 from __future__ import annotations
@@ -284,16 +287,56 @@ class _Mode:
         self.quantized = quantized and not exact
 
     def linear(self, x: np.ndarray, w: np.ndarray, b: np.ndarray | None,
-               out: np.ndarray) -> np.ndarray:
+               out: np.ndarray, prep: _Prepared | None = None, name: str = ""
+               ) -> np.ndarray:
         # The forward of every linear layer is the verified int8 GEMM; the backward
-        # treats it as x @ w (straight-through).
-        if self.quantized:
+        # treats it as x @ w (straight-through). With ``prep`` the weight ``name`` was
+        # quantized once for both halves of the batch (the same bits).
+        if self.quantized and prep is not None:
+            kernels.int8_matmul_prepared(x, *prep[name], out=out)
+        elif self.quantized:
             kernels.int8_matmul(x, w, out=out)
         else:
             np.matmul(x, w, out=out)
         if b is not None:
             out += b
         return out
+
+
+_Prepared = dict[str, tuple[np.ndarray, np.ndarray]]  # weight name -> (int8 q, scales)
+
+
+def _linear_names(cfg: ModelConfig) -> list[str]:
+    names = ["head.w"]
+    for i in range(cfg.layers):
+        names += [f"h{i}.{w}" for w in ("attn.w_qkv", "attn.w_out", "mlp.w_in", "mlp.w_out")]
+    return names
+
+
+def _prepare(cfg: ModelConfig, p: dict[str, np.ndarray], mode: _Mode, work: _Work
+             ) -> _Prepared | None:
+    """Every linear weight quantized once for a call computed in two halves (each half
+    would otherwise quantize every weight again), the weights dealt to two cores by
+    size; None when there is nothing to share (one whole batch, or float mode)."""
+    if not mode.quantized:
+        return None
+    prep: _Prepared = {}
+    lists: list[list[str]] = [[], []]
+    load = [0, 0]
+    for name in _linear_names(cfg):
+        w = p[name]
+        prep[name] = (work("wq:" + name, w.shape, dtype=np.int8),
+                      work("ws:" + name, (w.shape[1],), dtype=np.float32))
+        k = 0 if load[0] <= load[1] else 1
+        lists[k].append(name)
+        load[k] += w.size
+
+    def run(names: list[str]) -> None:
+        for name in names:
+            kernels.quantize_weight(p[name], *prep[name])
+
+    parallel.both(lambda: run(lists[0]), lambda: run(lists[1]))
+    return prep
 
 
 class _Work:
@@ -356,13 +399,22 @@ def _give(work: _Work) -> None:
         del _pool[:-_POOL_MAX]
 
 
+def _row_mean(x: np.ndarray, out: np.ndarray) -> None:
+    """out [n, 1] = mean of each row of x: what ``np.mean(x, axis=-1, keepdims=True,
+    out=out)`` computes, bit for bit, without its Python wrapper (which holds the GIL
+    through a float64 division of the small column: float32 operands divided in
+    binary64 and rounded once equal the float32 division, 53 >= 2 * 24 + 2)."""
+    np.add.reduce(x, axis=-1, keepdims=True, out=out)
+    np.divide(out, out.dtype.type(x.shape[-1]), out=out)
+
+
 def _layernorm(x: np.ndarray, g: np.ndarray, b: np.ndarray, out: np.ndarray,
                xhat: np.ndarray, rstd: np.ndarray, tmp: np.ndarray) -> None:
     """out = LN(x) * g + b; keeps xhat and rstd [n, 1] for the backward."""
-    np.mean(x, axis=-1, keepdims=True, out=rstd)
+    _row_mean(x, rstd)
     np.subtract(x, rstd, out=xhat)  # xc
     np.multiply(xhat, xhat, out=tmp)
-    np.mean(tmp, axis=-1, keepdims=True, out=rstd)  # var
+    _row_mean(tmp, rstd)  # var
     rstd += x.dtype.type(_LN_EPS)
     np.sqrt(rstd, out=rstd)
     np.divide(1.0, rstd, out=rstd)
@@ -376,13 +428,13 @@ def _layernorm_back(dy: np.ndarray, g: np.ndarray, xhat: np.ndarray, rstd: np.nd
                     ) -> np.ndarray:
     """dL/dx into ``dy`` (overwritten); fills dg, db. ``col`` is [n, 1] scratch."""
     np.multiply(dy, xhat, out=tmp)
-    np.sum(tmp, axis=0, out=dg)
-    np.sum(dy, axis=0, out=db)
+    np.add.reduce(tmp, axis=0, out=dg)
+    np.add.reduce(dy, axis=0, out=db)
     dy *= g  # dxhat
     np.multiply(dy, xhat, out=tmp)
-    np.mean(tmp, axis=-1, keepdims=True, out=col)  # c
+    _row_mean(tmp, col)  # c
     np.multiply(xhat, col, out=tmp)
-    np.mean(dy, axis=-1, keepdims=True, out=col)  # a
+    _row_mean(dy, col)  # a
     dy -= col
     dy -= tmp
     dy *= rstd
@@ -442,7 +494,8 @@ class _Rows:
 
 
 def _forward(cfg: ModelConfig, p: dict[str, np.ndarray], tokens: np.ndarray, mode: _Mode,
-             work: _Work, keep: bool, logits: np.ndarray, half: _Rows) -> None:
+             work: _Work, keep: bool, logits: np.ndarray, half: _Rows,
+             prep: _Prepared | None = None) -> None:
     """Logits of ``half``'s rows into ``logits`` ([half rows * T, vocab]); with ``keep``
     every layer's activations stay in ``work`` for the backward (without, layers share
     one set of buffers)."""
@@ -468,7 +521,7 @@ def _forward(cfg: ModelConfig, p: dict[str, np.ndarray], tokens: np.ndarray, mod
         xhat1, rstd1 = work("xhat1", (n, c), j)[r], work("rstd1", (n, 1), j)[r]
         _layernorm(x, p[q_ + "ln1.g"], p[q_ + "ln1.b"], h1, xhat1, rstd1, tmp)
         qkv = mode.linear(h1, p[q_ + "attn.w_qkv"], p[q_ + "attn.b_qkv"],
-                          work("qkv", (n, 3 * c), j)[r])
+                          work("qkv", (n, 3 * c), j)[r], prep, q_ + "attn.w_qkv")
         # [B, T, 3, H, D] -> three [B, H, T, D] views
         q5 = qkv.reshape(b, t, 3, h, d).transpose(2, 0, 3, 1, 4)
         qs = work("qs", (bsz, h, t, d), j)[half.b]
@@ -476,26 +529,28 @@ def _forward(cfg: ModelConfig, p: dict[str, np.ndarray], tokens: np.ndarray, mod
         att = work("att", (bsz, h, t, t), j)[half.b]
         np.matmul(qs, q5[1].transpose(0, 1, 3, 2), out=att)
         att += bias
-        np.max(att, axis=-1, keepdims=True, out=col)
+        np.maximum.reduce(att, axis=-1, keepdims=True, out=col)
         att -= col
         np.exp(att, out=att)
-        np.sum(att, axis=-1, keepdims=True, out=col)
+        np.add.reduce(att, axis=-1, keepdims=True, out=col)
         att /= col
         y = work("y", (n, c), j)[r]
         np.matmul(att, q5[2], out=y.reshape(b, t, h, d).transpose(0, 2, 1, 3))
-        x += mode.linear(y, p[q_ + "attn.w_out"], p[q_ + "attn.b_out"], proj)
+        x += mode.linear(y, p[q_ + "attn.w_out"], p[q_ + "attn.b_out"], proj, prep,
+                         q_ + "attn.w_out")
         h2 = work("h2", (n, c), j)[r]
         xhat2, rstd2 = work("xhat2", (n, c), j)[r], work("rstd2", (n, 1), j)[r]
         _layernorm(x, p[q_ + "ln2.g"], p[q_ + "ln2.b"], h2, xhat2, rstd2, tmp)
         u = mode.linear(h2, p[q_ + "mlp.w_in"], p[q_ + "mlp.b_in"],
-                        work("u", (n, 4 * c), j)[r])
+                        work("u", (n, 4 * c), j)[r], prep, q_ + "mlp.w_in")
         a, tanh_u = work("a", (n, 4 * c), j)[r], work("tanh", (n, 4 * c), j)[r]
         _gelu(u, a, tanh_u)
-        x += mode.linear(a, p[q_ + "mlp.w_out"], p[q_ + "mlp.b_out"], proj)
+        x += mode.linear(a, p[q_ + "mlp.w_out"], p[q_ + "mlp.b_out"], proj, prep,
+                         q_ + "mlp.w_out")
     hf = work("hf", (n, c))[r]
     _layernorm(x, p["lnf.g"], p["lnf.b"], hf, work("xhatf", (n, c))[r],
                work("rstdf", (n, 1))[r], tmp)
-    mode.linear(hf, p["head.w"], None, logits)
+    mode.linear(hf, p["head.w"], None, logits, prep, "head.w")
 
 
 def _cross_entropy(logits: np.ndarray, targets: np.ndarray, want_grad: bool, total: int,
@@ -505,10 +560,10 @@ def _cross_entropy(logits: np.ndarray, targets: np.ndarray, want_grad: bool, tot
     n = logits.shape[0]
     rows = np.arange(n)
     z = logits
-    z -= z.max(axis=-1, keepdims=True)
+    z -= np.maximum.reduce(z, axis=-1, keepdims=True)
     picked = z[rows, targets]  # fancy indexing: a copy
     e = np.exp(z, out=z)
-    sums = e.sum(axis=-1)
+    sums = np.add.reduce(e, axis=-1)
     np.subtract(np.log(sums), picked, out=nll)
     if want_grad:
         e /= sums[:, None]
@@ -607,7 +662,7 @@ def _backward_rows(cfg: ModelConfig, p: dict[str, np.ndarray], g: dict[str, np.n
         np.matmul(att.transpose(0, 1, 3, 2), dy, out=d5[2])
         # softmax backward: ds = att * (datt - sum(datt * att))
         np.multiply(datt, att, out=tmp4)
-        np.sum(tmp4, axis=-1, keepdims=True, out=col4)
+        np.add.reduce(tmp4, axis=-1, keepdims=True, out=col4)
         datt -= col4
         datt *= att
         np.matmul(datt, q5[1], out=d5[0])
@@ -633,7 +688,7 @@ def _weight_jobs(cfg: ModelConfig, g: dict[str, np.ndarray], work: _Work, n: int
                      lambda: np.matmul(a.T, b, out=g[name])))
 
     def bias(name: str, b: np.ndarray) -> None:
-        jobs.append((0, lambda: np.sum(b, axis=0, out=g[name])))
+        jobs.append((0, lambda: np.add.reduce(b, axis=0, out=g[name])))
 
     gemm("head.w", work("hf", (n, c)), dlogits)
     for i in range(cfg.layers):
@@ -705,13 +760,16 @@ def _in_halves(tokens: np.ndarray, body: Any) -> None:
         parallel.both(lambda: body(0, parts[0]), lambda: body(1, parts[1]))
 
 
-def _forward_rows(mode: _Mode, tokens: np.ndarray, body: Any) -> None:
-    """``body`` over the whole batch at once where :func:`_whole_forward` allows, else by
-    halves (:func:`_in_halves`)."""
+def _forward_rows(cfg: ModelConfig, p: dict[str, np.ndarray], mode: _Mode, work: _Work,
+                  tokens: np.ndarray, body: Any) -> None:
+    """``body(half index, _Rows, prepared weights)`` over the whole batch at once where
+    :func:`_whole_forward` allows, else by halves (:func:`_in_halves`) sharing the
+    weights quantized once (:func:`_prepare`)."""
     if _whole_forward(mode):
-        body(0, _Rows(slice(0, tokens.shape[0]), tokens.shape[1]))
-    else:
-        _in_halves(tokens, body)
+        body(0, _Rows(slice(0, tokens.shape[0]), tokens.shape[1]), None)
+        return
+    prep = _prepare(cfg, p, mode, work) if len(_halves(tokens.shape[0])) > 1 else None
+    _in_halves(tokens, lambda k, half: body(k, half, prep))
 
 
 def _whole_forward(mode: _Mode) -> bool:
@@ -734,11 +792,11 @@ def forward(cfg: ModelConfig, params: np.ndarray, tokens: np.ndarray, *,
     p = views(cfg, flat)
     work = _take(_work_key(cfg, tokens, mode, False))
 
-    def body(_: int, half: _Rows) -> None:
-        _forward(cfg, p, tokens, mode, work, False, logits[half.r], half)
+    def body(_: int, half: _Rows, prep: _Prepared | None) -> None:
+        _forward(cfg, p, tokens, mode, work, False, logits[half.r], half, prep)
 
     try:
-        _forward_rows(mode, tokens, body)
+        _forward_rows(cfg, p, mode, work, tokens, body)
     finally:
         _give(work)
     return logits.reshape(bsz, t, cfg.vocab)
@@ -785,18 +843,21 @@ def loss_and_grad(cfg: ModelConfig, params: np.ndarray, batch: np.ndarray, *,
     try:
         logits = work("logits", (targets.size, cfg.vocab))
 
-        def forward_rows(half: _Rows) -> None:
+        def forward_rows(half: _Rows, prep: _Prepared | None) -> None:
             lg = logits[half.r]
-            _forward(cfg, p, inputs, mode, work, True, lg, half)
+            _forward(cfg, p, inputs, mode, work, True, lg, half, prep)
             _cross_entropy(lg, targets[half.r], True, targets.size, nll[half.r])
 
         whole = _whole_forward(mode)
+        prep = None
         if whole:
-            forward_rows(_Rows(slice(0, bsz), t))
+            forward_rows(_Rows(slice(0, bsz), t), None)
+        elif split:
+            prep = _prepare(cfg, p, mode, work)
 
         def body(k: int, half: _Rows) -> None:
             if not whole:
-                forward_rows(half)
+                forward_rows(half, prep)
             _backward_rows(cfg, p, g, bsz, t, logits[half.r], work, half, k, split)
 
         _in_halves(inputs, body)
@@ -819,12 +880,12 @@ def loss_only(cfg: ModelConfig, params: np.ndarray, batch: np.ndarray, *,
     try:
         logits = work("logits", (targets.size, cfg.vocab))
 
-        def body(_: int, half: _Rows) -> None:
+        def body(_: int, half: _Rows, prep: _Prepared | None) -> None:
             lg = logits[half.r]
-            _forward(cfg, p, inputs, mode, work, False, lg, half)
+            _forward(cfg, p, inputs, mode, work, False, lg, half, prep)
             _cross_entropy(lg, targets[half.r], False, targets.size, nll[half.r])
 
-        _forward_rows(mode, inputs, body)
+        _forward_rows(cfg, p, mode, work, inputs, body)
     finally:
         _give(work)
     return float(np.mean(nll, dtype=np.float64))

@@ -8,10 +8,11 @@ result is the same bytes whatever the core count.
 
 The core count comes from ``DAISYWEB_THREADS``, else ``OPENBLAS_NUM_THREADS``, else
 ``OMP_NUM_THREADS``, else the CPUs this process may use, capped at 2; ``set_cores``
-changes it. While two are in use, OpenBLAS is asked for one thread per call (its own
-workers would contend with the helper thread for the same two cores); OpenBLAS's gemm
-splits only rows and columns over its threads, never the sum, so a product's bits do
-not depend on this.
+changes it. Whatever the count, OpenBLAS is asked for one thread per call: with two
+cores its own workers would contend with the helper thread for them, with one it is
+the one core asked for; and then no product's bits depend on how OpenBLAS would split
+a GEMM over its threads (with the Zen kernel set, ``daisyweb.blascore``, some float
+GEMMs came out differently at one and at two BLAS threads).
 """
 
 from __future__ import annotations
@@ -21,12 +22,11 @@ import glob
 import os
 import threading
 from collections.abc import Callable
-from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 import numpy as np
 
-__all__ = ["both", "cores", "set_cores"]
+__all__ = ["blas_core", "both", "cores", "set_cores"]
 
 _ENV = ("DAISYWEB_THREADS", "OPENBLAS_NUM_THREADS", "OMP_NUM_THREADS")
 
@@ -42,26 +42,85 @@ def _env_cores() -> int:
     return os.cpu_count() or 1
 
 
-def _openblas_setter() -> Callable[[int], Any] | None:
-    """numpy's bundled OpenBLAS ``set_num_threads``, or None (then BLAS is left alone)."""
+def _openblas_fn(*names: str) -> Any:
+    """The first of ``names`` exported by numpy's bundled OpenBLAS, or None."""
     libs = os.path.join(os.path.dirname(np.__file__), os.pardir, "numpy.libs")
     for path in glob.glob(os.path.join(libs, "libscipy_openblas*.so*")):
         try:
             lib = ctypes.CDLL(path)
         except OSError:
             continue
-        for name in ("scipy_openblas_set_num_threads64_", "scipy_openblas_set_num_threads"):
+        for name in names:
             fn = getattr(lib, name, None)
             if fn is not None:
-                return fn  # type: ignore[no-any-return]
+                return fn
     return None
+
+
+def _openblas_setter() -> Callable[[int], Any] | None:
+    """numpy's bundled OpenBLAS ``set_num_threads``, or None (then BLAS is left alone)."""
+    return _openblas_fn(  # type: ignore[no-any-return]
+        "scipy_openblas_set_num_threads64_", "scipy_openblas_set_num_threads")
+
+
+def blas_core() -> str:
+    """The kernel set ("core type") numpy's OpenBLAS loaded, or "?" (see
+    ``daisyweb.blascore``)."""
+    fn = _openblas_fn("scipy_openblas_get_corename64_", "scipy_openblas_get_corename")
+    if fn is None:
+        return "?"
+    fn.restype = ctypes.c_char_p
+    return (fn() or b"?").decode("ascii", "replace")
+
+
+class _Helper:
+    """One helper thread that runs the second half of a ``both`` call.
+
+    A hand-off is two plain locks (the caller releases ``go``, the helper releases
+    ``done``): a ThreadPoolExecutor's futures and conditions held the GIL several
+    times longer per call, and a step makes a few of these calls. ``busy`` keeps a
+    second caller (another thread) from sharing the helper: that one runs in turn.
+    """
+
+    def __init__(self) -> None:
+        self.busy = threading.Lock()
+        self.go = threading.Lock()
+        self.done = threading.Lock()
+        self.go.acquire()
+        self.done.acquire()
+        self.fn: Callable[[], Any] | None = None
+        self.err: BaseException | None = None
+        threading.Thread(target=self._loop, name="daisyweb-half", daemon=True).start()
+
+    def _loop(self) -> None:
+        _local.helper = True
+        while True:
+            self.go.acquire()
+            try:
+                assert self.fn is not None
+                self.fn()
+            except BaseException as e:  # handed to the caller, re-raised there
+                self.err = e
+            finally:
+                self.done.release()
+
+    def run(self, first: Callable[[], Any], second: Callable[[], Any]) -> None:
+        """``first`` here and ``second`` on the helper; the caller holds ``busy``."""
+        self.fn, self.err = second, None
+        self.go.release()
+        try:
+            first()
+        finally:
+            self.done.acquire()  # always wait: the second half may still write buffers
+            err, self.fn, self.err = self.err, None, None
+        if err is not None:
+            raise err
 
 
 _lock = threading.Lock()
 _cores = 0  # 0: not decided yet
-_pool: ThreadPoolExecutor | None = None
+_pool: _Helper | None = None
 _blas_threads: Callable[[int], Any] | None = None
-_blas_before = 1
 
 
 def set_cores(n: int) -> None:
@@ -71,23 +130,18 @@ def set_cores(n: int) -> None:
         raise ValueError(f"cores must be a positive integer, got {n!r}")
     with _lock:
         _cores = min(2, n)
-        if _cores == 2:
-            if _pool is None:
-                _pool = ThreadPoolExecutor(1, thread_name_prefix="daisyweb-half")
-            if _blas_threads is None:
-                _blas_threads = _openblas_setter()
-            if _blas_threads is not None:
-                _blas_threads(1)
-        elif _blas_threads is not None:
-            _blas_threads(_blas_before)
+        if _cores == 2 and _pool is None:
+            _pool = _Helper()
+        if _blas_threads is None:
+            _blas_threads = _openblas_setter()
+        if _blas_threads is not None:
+            _blas_threads(1)
 
 
 def cores() -> int:
     """The number of cores the model's steps use now (1 or 2)."""
     if not _cores:
-        global _blas_before
-        _blas_before = _env_cores()
-        set_cores(_blas_before)
+        set_cores(_env_cores())
     return _cores
 
 
@@ -103,22 +157,16 @@ def _forget_after_fork() -> None:
 os.register_at_fork(after_in_child=_forget_after_fork)
 
 
-def _as_helper(fn: Callable[[], Any]) -> None:
-    _local.helper = True
-    fn()
-
-
 def both(first: Callable[[], Any], second: Callable[[], Any]) -> None:
     """Run ``first`` and ``second`` (independent, each writing only its own data): in
     parallel on two cores, else in turn. Re-raises the first error either raised."""
-    if cores() < 2 or _pool is None or getattr(_local, "helper", False):
-        first()  # (on the helper thread itself: in turn, never wait on ourselves)
-        second()
+    helper = _pool
+    if (cores() < 2 or helper is None or getattr(_local, "helper", False)
+            or not helper.busy.acquire(blocking=False)):
+        first()  # (on the helper thread itself, or while another thread uses the
+        second()  # helper: in turn, never wait on ourselves)
         return
-    fut = _pool.submit(_as_helper, second)
     try:
-        first()
+        helper.run(first, second)
     finally:
-        err = fut.exception()  # always wait: the second half may still write buffers
-    if err is not None:
-        raise err
+        helper.busy.release()

@@ -11,6 +11,7 @@ GEMM entry points), ``probe`` (the cross-machine probe hash).
     acc = gemm_int8(a_q, b_q)          # int8 x int8 -> exact int32
     y = dequantize(acc, s_rows, s_cols)
     y = int8_matmul(x, w)              # the three above, bit-identical, faster
+    quantize_weight(w, q, s); y = int8_matmul_prepared(x, q, s)   # w quantized once
 
 Every backend is gated on first use and demoted (logged, ``active_backend()`` moves on) on
 a gate failure or a live audit mismatch; see ``kernels.audit`` for how the audit is hooked.
@@ -26,6 +27,8 @@ from .dispatch import (
     gate_verdicts,
     gemm_int8,
     int8_matmul,
+    int8_matmul_prepared,
+    quantize_weight,
     use_backend,
 )
 from .errors import K_MAX, AccumulatorBoundError, NonFiniteError
@@ -47,9 +50,11 @@ __all__ = [
     "gate_verdicts",
     "gemm_int8",
     "int8_matmul",
+    "int8_matmul_prepared",
     "probe_hash",
     "quantize_cols",
     "quantize_rows",
+    "quantize_weight",
     "run_gate",
     "use_backend",
 ]

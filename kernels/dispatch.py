@@ -179,7 +179,13 @@ def int8_matmul(x: Array, w: Array, out: Array | None = None) -> Array:
     bufs = get_backend(active_backend()).operand_buffers(m, k, n)
     qa, sa = quantize_values(x, 1, "x", out=None if bufs is None else bufs[0])
     qb, sb = quantize_values(w, 0, "w", out=None if bufs is None else bufs[1])
-    acc = _run(qa, qb, m * k * n, values=True, out=out)
+    return _product(qa, qb, sa, sb, out)
+
+
+def _product(qa: Array, qb: Array, sa: Array, sb: Array, out: Array | None) -> Array:
+    """The exact GEMM of the quantized operands, dequantized (into ``out`` if given)."""
+    m, k = qa.shape
+    acc = _run(qa, qb, m * k * qb.shape[1], values=True, out=out)
     if out is None:
         # float32 products are fresh arrays owned here; int32/float64 ones round once
         y = acc if acc.dtype == np.float32 else acc.astype(np.float32)
@@ -188,6 +194,48 @@ def int8_matmul(x: Array, w: Array, out: Array | None = None) -> Array:
         if acc is not out:  # a backend without an in-place path: f32(acc), rounded once
             np.copyto(out, acc, casting="unsafe")
     return scale_inplace(y, sa, sb)
+
+
+def quantize_weight(w: Array, q_out: Array, s_out: Array) -> None:
+    """``quantize_cols(w)`` into the caller's buffers: int8 ``q_out`` [k,n] and float32
+    ``s_out`` [n] (the same bits). A weight used by several ``int8_matmul_prepared``
+    calls (two halves of a batch) is then quantized once."""
+    w = check_array("w", w, np.float32)
+    k, n = w.shape
+    check_array("q_out", q_out, np.int8)
+    check_array("s_out", s_out, np.float32, ndim=1)
+    if q_out.shape != (k, n) or s_out.shape != (n,):
+        raise ValueError(f"q_out/s_out must have shapes {(k, n)}/{(n,)}, "
+                         f"got {q_out.shape}/{s_out.shape}")
+    bufs = get_backend(active_backend()).operand_buffers(1, k, n)
+    q, s = quantize_values(w, 0, "w", out=None if bufs is None else bufs[1])
+    np.copyto(q_out, q, casting="unsafe")  # integer values in [-127, 127]: exact
+    s_out[...] = s
+
+
+def int8_matmul_prepared(x: Array, q_w: Array, s_w: Array, out: Array | None = None
+                         ) -> Array:
+    """``int8_matmul(x, w, out)`` for a weight already quantized by ``quantize_weight``
+    (int8 ``q_w`` [k,n], float32 scales ``s_w`` [n]): the same bits, the same gated and
+    audited GEMM; the weight costs one int8 -> float32 copy instead of a quantization."""
+    x = check_array("x", x, np.float32)
+    q_w = check_array("q_w", q_w, np.int8)
+    s_w = check_array("s_w", s_w, np.float32, ndim=1)
+    if x.shape[1] != q_w.shape[0] or s_w.shape != (q_w.shape[1],):
+        raise ValueError(f"shapes do not fit: x is {x.shape}, q_w is {q_w.shape}, "
+                         f"s_w is {s_w.shape}")
+    (m, k), n = x.shape, q_w.shape[1]
+    check_k(k)
+    if out is not None:
+        _check_out(out, m, n, x, q_w)
+    bufs = get_backend(active_backend()).operand_buffers(m, k, n)
+    qa, sa = quantize_values(x, 1, "x", out=None if bufs is None else bufs[0])
+    if bufs is None:
+        qb = q_w.astype(np.float32)
+    else:
+        qb = bufs[1]
+        np.copyto(qb, q_w, casting="unsafe")  # int8 -> float32 is exact
+    return _product(qa, qb, sa, s_w, out)
 
 
 def _check_out(out: object, m: int, n: int, x: Array, w: Array) -> None:

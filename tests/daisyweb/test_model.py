@@ -207,10 +207,19 @@ def test_int8_path_close_to_float_path_and_uses_kernel(monkeypatch: pytest.Monke
         calls.append((x.shape, w.shape))
         return real(x, w, out=out)
 
+    real_prepared = kernels.int8_matmul_prepared
+
+    def counting_prepared(x: np.ndarray, q: np.ndarray, s: np.ndarray,
+                          out: np.ndarray | None = None) -> np.ndarray:
+        calls.append((x.shape, q.shape))
+        return real_prepared(x, q, s, out=out)
+
     monkeypatch.setattr(kernels, "int8_matmul", counting)
+    monkeypatch.setattr(kernels, "int8_matmul_prepared", counting_prepared)
     q_loss, q_grad = loss_and_grad(cfg, params, batch)
     # every linear layer's forward, and nothing else: 4 per block + LM head, once over
-    # the batch (one core) or once per half of it (two cores), its rows adding up
+    # the batch (one core) or once per half of it (two cores, with weights quantized
+    # once for both), its rows adding up
     per_pass = 4 * cfg.layers + 1
     assert len(calls) in (per_pass, 2 * per_pass)
     heads = [x for x, w in calls if w == (cfg.width, cfg.vocab)]

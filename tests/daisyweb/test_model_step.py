@@ -225,11 +225,12 @@ def _batch(cfg: ModelConfig, b: int, t: int, seed: int = 0) -> np.ndarray:
 
 
 def _poison_workspaces() -> int:
-    """NaN into every buffer of every idle workspace; returns how many were poisoned."""
+    """NaN into every float buffer of every idle workspace, -128 (a value quantization
+    never makes) into the int8 ones of the prepared weights; returns how many."""
     count = 0
     for work in model._pool:
         for buf in work.buffers():
-            buf.fill(np.nan)
+            buf.fill(np.nan if buf.dtype.kind == "f" else -128)
             count += 1
     return count
 
@@ -382,3 +383,70 @@ def test_parallel_both_runs_everything_and_reraises() -> None:
     for bad in (0, -1, 1.5, True):
         with pytest.raises(ValueError, match="positive integer"):
             parallel.set_cores(bad)  # type: ignore[arg-type]
+
+
+def test_parallel_both_from_two_threads_at_once() -> None:
+    """A second caller while the helper thread is taken runs its halves in turn: each
+    call still runs both of its own halves exactly once, and nobody waits forever."""
+    import threading
+
+    before = parallel.cores()
+    parallel.set_cores(2)
+    try:
+        holding, release = threading.Event(), threading.Event()
+        seen_a: list[str] = []
+        seen_b: list[tuple[str, bool]] = []
+
+        def a_first() -> None:
+            holding.set()
+            assert release.wait(10)
+            seen_a.append("first")
+
+        def caller_a() -> None:
+            parallel.both(a_first, lambda: seen_a.append("second"))
+
+        ta = threading.Thread(target=caller_a)
+        ta.start()
+        assert holding.wait(10)  # A is inside both(), the helper thread is taken
+        me = threading.current_thread()
+        parallel.both(lambda: seen_b.append(("first", threading.current_thread() is me)),
+                      lambda: seen_b.append(("second", threading.current_thread() is me)))
+        assert seen_b == [("first", True), ("second", True)]  # in turn, on this thread
+        release.set()
+        ta.join(10)
+        assert not ta.is_alive() and sorted(seen_a) == ["first", "second"]
+    finally:
+        parallel.set_cores(before)
+
+
+def test_blas_runs_one_thread_per_call_at_any_core_count() -> None:
+    """The model's GEMMs never depend on how OpenBLAS splits them over its threads."""
+    get = parallel._openblas_fn("scipy_openblas_get_num_threads64_",
+                                "scipy_openblas_get_num_threads")
+    if get is None:
+        pytest.skip("numpy's BLAS is not the bundled OpenBLAS")
+    before = parallel.cores()
+    try:
+        for n in (2, 1, 2, 1):
+            parallel.set_cores(n)
+            assert get() == 1, n
+    finally:
+        parallel.set_cores(before)
+
+
+def test_one_core_and_two_give_the_same_bytes_on_the_zen_kernels() -> None:
+    """The same check in a process whose OpenBLAS loaded the kernel set daisyweb asks
+    for on AMD Zen 4 (daisyweb.blascore), where two BLAS threads changed some bits."""
+    import os
+    import subprocess
+    import sys
+
+    code = ("import daisyweb, numpy; from tests.daisyweb import test_model_step as t; "
+            "t.test_one_core_and_two_give_the_same_bytes(); print('ok')")
+    env = {**os.environ, "OPENBLAS_CORETYPE": "ZEN"}
+    env.pop("OPENBLAS_NUM_THREADS", None)
+    env.pop("DAISYWEB_THREADS", None)
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    r = subprocess.run([sys.executable, "-c", code], cwd=root, env=env, capture_output=True,
+                       text=True, timeout=120)
+    assert r.returncode == 0 and r.stdout.split()[-1:] == ["ok"], r.stderr[-2000:]

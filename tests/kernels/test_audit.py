@@ -100,6 +100,12 @@ def test_live_audit_demotes_and_recomputes(monkeypatch: pytest.MonkeyPatch,
     assert kernels.active_backend() == "blas64"
     assert "audit" in kernels.backend_status()["blas"]["reason"]
     assert "blas demoted: audit" in caplog.text
+    # int8_matmul_prepared (a weight quantized once) goes through the same audit
+    dispatch.reset()
+    q, s = np.empty(qb.shape, np.int8), np.empty(sb.shape, np.float32)
+    kernels.quantize_weight(w, q, s)
+    assert np.array_equal(kernels.int8_matmul_prepared(x, q, s), want)
+    assert kernels.active_backend() == "blas64"
     # gemm_int8 goes through the same audited dispatch
     dispatch.reset()
     got = kernels.gemm_int8(qa, qb)

@@ -176,6 +176,46 @@ def test_int8_matmul_out_is_checked() -> None:
         kernels.int8_matmul(square, np.ones((2, 2), np.float32), out=square)
 
 
+def test_prepared_weight_is_int8_matmul_bit_for_bit() -> None:
+    rng = np.random.default_rng(10)
+    for m, k, n in ((16, 32, 8), (5, 1024, 3), (7, 1500, 9)):
+        x = rng.standard_normal((m, k)).astype(np.float32)
+        w = (rng.standard_normal((k, n)) * 3).astype(np.float32)
+        qb, sb = kernels.quantize_cols(w)
+        for name in BACKENDS:
+            with kernels.use_backend(name):
+                want = kernels.int8_matmul(x, w)
+                q = np.full((k, n), -128, np.int8)
+                s = np.full(n, np.nan, np.float32)
+                kernels.quantize_weight(w, q, s)
+                assert np.array_equal(q, qb) and s.tobytes() == sb.tobytes(), name
+                out = np.full((m, n), np.nan, np.float32)
+                assert kernels.int8_matmul_prepared(x, q, s, out=out) is out
+                fresh = kernels.int8_matmul_prepared(x, q, s)
+            assert out.tobytes() == want.tobytes() == fresh.tobytes(), name
+
+
+def test_prepared_weight_input_errors() -> None:
+    w = np.ones((4, 2), np.float32)
+    q, s = np.empty((4, 2), np.int8), np.empty(2, np.float32)
+    with pytest.raises(ValueError, match="shapes"):
+        kernels.quantize_weight(w, np.empty((2, 4), np.int8), s)
+    with pytest.raises(TypeError, match="int8"):
+        kernels.quantize_weight(w, np.empty((4, 2), np.float32), s)
+    w[1, 1] = np.nan
+    with pytest.raises(kernels.NonFiniteError):
+        kernels.quantize_weight(w, q, s)
+    x = np.ones((3, 4), np.float32)
+    with pytest.raises(ValueError, match="do not fit"):
+        kernels.int8_matmul_prepared(np.ones((3, 5), np.float32), q, s)
+    with pytest.raises(ValueError, match="do not fit"):
+        kernels.int8_matmul_prepared(x, q, np.ones(3, np.float32))
+    with pytest.raises(TypeError, match="int8"):
+        kernels.int8_matmul_prepared(x, q.astype(np.float32), s)
+    with pytest.raises(ValueError, match="shape"):
+        kernels.int8_matmul_prepared(x, q, s, out=np.empty((2, 3), np.float32))
+
+
 def test_int8_matmul_input_errors() -> None:
     with pytest.raises(TypeError):
         kernels.int8_matmul(np.ones((2, 2)), np.ones((2, 2), np.float32))
