@@ -63,6 +63,7 @@ _TINY = _F32(np.finfo(np.float32).tiny)  # 2**-126, the smallest normal float32
 _MAX_SCALE = _F32(2.0**120)  # 127 * _MAX_SCALE < 2**127: a decoded value is always finite
 _127 = _F32(127.0)
 _HALF = _F32(0.5)
+_CHUNK_BLOCKS = 256  # blocks per chunk of encoding and decoding work (256 KiB of float32)
 
 
 class Int8Codec:
@@ -112,20 +113,35 @@ class Int8Codec:
         if not isinstance(vector, np.ndarray) or vector.ndim != 1:
             raise GradientError(f"{who}: expected a 1-D float32 array")
         x = check_gradient(vector, vector.size, who)
+        scales = np.empty(self.nblocks(x.size), np.float32)
+        q = np.empty(x.size, np.int8)
+        # Whole blocks at a time: every operation is per element or per block, so the
+        # bytes are those of the whole vector at once, with temporaries of one chunk.
+        step = self.block * _CHUNK_BLOCKS
+        for start in range(0, x.size, step):
+            stop = min(start + step, x.size)
+            first = start // self.block
+            s, qc = self._quantize_blocks(x[start:stop])
+            scales[first : first + s.size] = s
+            q[start:stop] = qc
+        if np.any(scales > _MAX_SCALE):
+            raise GradientError(f"{who}: values above {float(_MAX_SCALE) * 127:.3g} "
+                                "cannot be sent as int8")
+        return scales.astype("<f4"), q
+
+    def _quantize_blocks(self, x: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """Scales and int8 values of ``x``, whole blocks (the last one may be short)."""
         x = np.where(np.abs(x) < _TINY, _F32(0.0), x)  # no subnormal reaches the arithmetic
         blocks = self._blocks(x)
         m = np.max(np.abs(blocks), axis=1) if blocks.size else np.zeros(0, np.float32)
         scales = m / _127
         scales[scales < _TINY] = 0.0
-        if np.any(scales > _MAX_SCALE):
-            raise GradientError(f"{who}: values above {float(_MAX_SCALE) * 127:.3g} "
-                                "cannot be sent as int8")
         zero = scales == 0
         divisor = np.where(zero, _F32(1.0), scales)[:, None]
         q = np.floor(blocks / divisor + _HALF)
         # |x / scale| <= 127 * (1 + 2**-23), so the clamp never binds; it states the range.
         np.clip(q, _F32(-127.0), _127, out=q)
-        return scales.astype("<f4"), q.reshape(-1)[: x.size].astype(np.int8)
+        return scales, q.reshape(-1)[: x.size].astype(np.int8)
 
     def encode(self, vector: np.ndarray) -> bytes:
         scales, q = self.quantize(vector)
@@ -154,7 +170,16 @@ class Int8Codec:
         bad = int(np.count_nonzero(q == -128))
         if bad:
             raise GradientError(f"{who}: {bad} int8 values are -128 (reserved)")
-        out = q.astype(np.float32) * np.repeat(scales, self.block)[:size]
+        # f32(q) * scale per element, a chunk of whole blocks at a time (no temporaries
+        # of the vector's size).
+        out = np.empty(size, np.float32)
+        step = self.block * _CHUNK_BLOCKS
+        for start in range(0, size, step):
+            stop = min(start + step, size)
+            first, last = start // self.block, -(-stop // self.block)
+            np.multiply(q[start:stop].astype(np.float32),
+                        np.repeat(scales[first:last], self.block)[: stop - start],
+                        out=out[start:stop])
         return check_gradient(out, size, who)
 
     def encoder(self, size: int) -> ErrorFeedbackEncoder:
@@ -184,7 +209,8 @@ class ErrorFeedback:
         target = x + self.residual
         payload = codec.encode(target)
         decoded = codec.decode(payload, self.size, "own payload")
-        self.residual = target - decoded
+        # target - decoded, into target's own buffer (a temporary): the same values
+        self.residual = np.subtract(target, decoded, out=target)
         return payload, decoded
 
     def encode(self, codec: Codec, vector: np.ndarray) -> bytes:

@@ -440,9 +440,10 @@ class StepMachine(LeaderDuties, HashDuties):
             return False
         if any(p not in st.grads for p in st.roster):
             return False  # exactly the roster's gradients, never a partial average
-        # The decoded values of the very bytes every member holds (its own included).
+        # The decoded values of the very bytes every member holds (its own included),
+        # decoded one at a time as the average adds them (all were validated on arrival).
         size = self.replica.size
-        grads = [self.codec.decode(st.grads[p], size, f"gradient from {p}") for p in st.roster]
+        grads = (self.codec.decode(st.grads[p], size, f"gradient from {p}") for p in st.roster)
         backup = getattr(self.replica, "backup", None)
         if backup is not None:
             self._backup = (step, backup())

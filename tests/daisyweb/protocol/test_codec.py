@@ -431,3 +431,31 @@ def test_f32_decode_refuses_wrong_lengths(delta: int) -> None:
     payload = payload[:delta] if delta < 0 else payload + b"\0" * delta
     with pytest.raises(GradientError, match="expected 10 values"):
         F32.decode(payload, 10)
+
+
+def _whole_vector(x: np.ndarray, block: int = B) -> tuple[np.ndarray, np.ndarray]:
+    """The recipe on the whole vector at once (what the codec did before it worked a
+    chunk of blocks at a time): the bytes must not depend on the chunking."""
+    f = np.float32
+    x = np.where(np.abs(x) < np.finfo(f).tiny, f(0.0), x)
+    nb = -(-x.size // block)
+    blocks = np.zeros(nb * block, f)
+    blocks[: x.size] = x
+    blocks = blocks.reshape(nb, block)
+    scales = np.max(np.abs(blocks), axis=1) / f(127.0)
+    scales[scales < np.finfo(f).tiny] = 0.0
+    divisor = np.where(scales == 0, f(1.0), scales)[:, None]
+    q = np.clip(np.floor(blocks / divisor + f(0.5)), f(-127.0), f(127.0))
+    return scales, q.reshape(-1)[: x.size].astype(np.int8)
+
+
+@pytest.mark.parametrize("size", [256 * B, 256 * B + 1, 2 * 256 * B + 3 * B + 17])
+def test_vectors_of_several_chunks_encode_and_decode_as_one_whole_vector(size: int) -> None:
+    x = _vec(size, seed=7)
+    x[B + 3 : 300 * B] = 0.0  # zero blocks across a chunk boundary
+    payload = INT8.encode(x)
+    scales, q = _split(payload, size)
+    ref_scales, ref_q = _whole_vector(x)
+    assert scales.tobytes() == ref_scales.tobytes() and q.tobytes() == ref_q.tobytes()
+    expect = q.astype(np.float32) * np.repeat(scales, B)[:size]
+    assert INT8.decode(payload, size).tobytes() == expect.tobytes()

@@ -144,7 +144,8 @@ def test_a_rollback_after_the_next_round_is_staged_restores_and_recommits_exactl
     assert np.array_equal(t.state.optimizer.v, before[2])
     t.apply(c1.vector)
     assert t.weight_hash() == after[2]
-    assert np.array_equal(t.state.params, after[0]) and np.array_equal(t.state.optimizer.m, after[1])
+    assert np.array_equal(t.state.params, after[0])
+    assert np.array_equal(t.state.optimizer.m, after[1])
 
 
 def test_rounds_before_counts_whole_windows_and_the_short_last_round() -> None:
