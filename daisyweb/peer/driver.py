@@ -465,7 +465,9 @@ class Driver:
         if self.trainer.step != step:  # cannot happen: the machine asks at its boundary
             log(f"not sending a snapshot of step {step} from step {self.trainer.step}")
             return
-        payload = checkpoint_to_bytes(self.state.checkpoint(self.tokinfo))
+        # Not copied: the arrays are turned into bytes right here, on the event loop,
+        # before anything can replace or step them.
+        payload = checkpoint_to_bytes(self.state.checkpoint(self.tokinfo, copy=False))
         payload, announced = self.faults.snapshot(payload, self.state.weight_hash())
         self._send((peer,), self.state.run.to_wire())
         self._send((peer,), wire.Snapshot(step, announced, payload))
