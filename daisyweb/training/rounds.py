@@ -344,12 +344,27 @@ class RoundTrainer:
         return shared_hash(self.state.params, self.rounds_done, self.state.step)
 
     def backup(self) -> Any:
-        """The anchor, the inner state and the round count, shared, not copied: none of
-        them is changed in place (see :meth:`apply`), only replaced."""
-        return self.state.params, self.state.optimizer.state_dict(copy=False), self.rounds_done
+        """The anchor and the round and inner step counts before a commit, the anchor
+        shared, not copied (it is never changed in place, see :meth:`apply`, only
+        replaced).
+
+        The inner moments are not kept: they are this member's alone (never hashed nor
+        sent), and a rollback always recommits the round at once (``sync._rollback``),
+        which adopts the round's staged moments again, as :meth:`stage` keeps them for.
+        Keeping the moments from before the commit would hold 8P bytes (10.6 MB at the
+        demo default) for the whole next round.
+        """
+        opt = self.state.optimizer
+        return (self.state.params, self.rounds_done,
+                (opt.step_count, opt.beta1_power, opt.beta2_power))
 
     def restore(self, token: Any) -> None:
-        params, inner, rounds = token
+        """Back to the anchor and counts of :meth:`backup` (so the shared hash is the one
+        from before the commit); the moments stay until the recommit replaces them."""
+        params, rounds, (step, p1, p2) = token
+        opt = self.state.optimizer
+        inner = opt.state_dict(copy=False)
+        inner.update(step=step, beta1_power=p1, beta2_power=p2)
+        opt.load_state_dict(inner, copy=False)
         self.state.params = params
-        self.state.optimizer.load_state_dict(inner, copy=False)
         self.rounds_done = rounds
