@@ -118,9 +118,11 @@ class _Encoder:
         dt = np.dtype(dt.str)
         if dt not in _STORAGE_FOR_DTYPE:
             raise TypeError(f"unsupported array dtype {arr.dtype}")
-        arr = np.array(arr, dtype=dt, order="C", copy=True)  # keeps 0-d shape
+        # C order in the file's byte order: a view of ``arr`` itself when it already is
+        # (no copy of the weights and moments: the file is built before anything can
+        # change them, save_pt and dumps_pt being synchronous), else a converted copy.
+        arr = np.asarray(arr, dtype=dt, order="C")  # keeps 0-d shape
         key = str(len(self.storages))
-        # A byte view of that private copy (tobytes would copy it once more).
         self.storages.append(memoryview(arr.reshape(-1)).cast("B"))
         shape = tuple(int(s) for s in arr.shape)
         stride = tuple(int(s) // dt.itemsize for s in arr.strides) if arr.size else tuple(
