@@ -257,8 +257,9 @@ class DaisyAdam:
     def load_state_dict(self, state: dict[str, Any], copy: bool = True) -> None:
         """Validate ``state`` completely, then replace the current state (all or nothing).
 
-        ``copy=False`` adopts contiguous ``m`` and ``v`` arrays as they are (no copy): the
-        caller hands them over and must not use them elsewhere while this optimizer steps.
+        ``copy=False`` adopts contiguous, writable ``m`` and ``v`` arrays as they are (no
+        copy): the caller hands them over and must not use them elsewhere while this
+        optimizer steps.
         """
         if not isinstance(state, dict):
             raise ValueError("state must be a dict")
@@ -299,7 +300,8 @@ class DaisyAdam:
             if not np.isfinite(arr).all():
                 raise ValueError(f"{name} contains NaN or Inf")
             arr = np.ascontiguousarray(arr)
-            arrays[name] = arr.copy() if copy else arr
+            # A read-only array is copied all the same: step() updates m and v in place.
+            arrays[name] = arr.copy() if copy or not arr.flags.writeable else arr
         if (arrays["v"] < 0).any():
             raise ValueError("v must be non-negative")
         self.m = arrays["m"]
