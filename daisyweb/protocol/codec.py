@@ -21,7 +21,7 @@ import numpy as np
 from daisyweb.protocol.averaging import GradientError, check_gradient
 
 __all__ = ["Codec", "F32Codec", "F32", "Int8Codec", "INT8", "ErrorFeedback",
-           "ErrorFeedbackEncoder", "codec_by_name", "CODECS"]
+           "ErrorFeedbackEncoder", "check_payload", "codec_by_name", "CODECS"]
 
 _F32 = np.float32
 
@@ -48,6 +48,13 @@ class F32Codec:
         if len(payload) != 4 * size:
             raise GradientError(f"{who}: expected {size} values, got {len(payload)} bytes")
         return check_gradient(np.frombuffer(payload, dtype="<f4").astype(np.float32), size, who)
+
+    def check(self, payload: bytes, size: int, who: str = "payload") -> None:
+        """What :meth:`decode` refuses, checked on the bytes in place (no vector made)."""
+        if len(payload) != 4 * size:
+            raise GradientError(f"{who}: expected {size} values, got {len(payload)} bytes")
+        view = np.frombuffer(payload, dtype="<f4").astype(np.float32, copy=False)
+        check_gradient(view, size, who)
 
     def encoder(self, size: int) -> F32Codec:
         """Lossless, so there is no error to feed back: the codec is its own encoder."""
@@ -148,6 +155,27 @@ class Int8Codec:
         return scales.tobytes() + q.tobytes()
 
     def decode(self, payload: bytes, size: int, who: str = "payload") -> np.ndarray:
+        scales, q = self._checked(payload, size, who)
+        # f32(q) * scale per element, a chunk of whole blocks at a time (no temporaries
+        # of the vector's size).
+        out = np.empty(size, np.float32)
+        step = self.block * _CHUNK_BLOCKS
+        for start in range(0, size, step):
+            stop = min(start + step, size)
+            first, last = start // self.block, -(-stop // self.block)
+            np.multiply(q[start:stop].astype(np.float32),
+                        np.repeat(scales[first:last], self.block)[: stop - start],
+                        out=out[start:stop])
+        return check_gradient(out, size, who)
+
+    def check(self, payload: bytes, size: int, who: str = "payload") -> None:
+        """What :meth:`decode` refuses, without making the vector: the scales and values
+        it refuses are all that can make a decoded value wrong (valid ones always decode
+        to finite float32, see the class docstring)."""
+        self._checked(payload, size, who)
+
+    def _checked(self, payload: bytes, size: int, who: str) -> tuple[np.ndarray, np.ndarray]:
+        """The payload's scales (float32) and int8 values, validated."""
         nb = self.nblocks(size)
         want = 4 * nb + size
         if len(payload) != want:
@@ -170,17 +198,7 @@ class Int8Codec:
         bad = int(np.count_nonzero(q == -128))
         if bad:
             raise GradientError(f"{who}: {bad} int8 values are -128 (reserved)")
-        # f32(q) * scale per element, a chunk of whole blocks at a time (no temporaries
-        # of the vector's size).
-        out = np.empty(size, np.float32)
-        step = self.block * _CHUNK_BLOCKS
-        for start in range(0, size, step):
-            stop = min(start + step, size)
-            first, last = start // self.block, -(-stop // self.block)
-            np.multiply(q[start:stop].astype(np.float32),
-                        np.repeat(scales[first:last], self.block)[: stop - start],
-                        out=out[start:stop])
-        return check_gradient(out, size, who)
+        return scales, q
 
     def encoder(self, size: int) -> ErrorFeedbackEncoder:
         """A sender's stateful encoder for vectors of ``size``: this codec + error feedback."""
@@ -238,10 +256,24 @@ class ErrorFeedbackEncoder:
         """The codec's validating decode (stateless; the residual does not move)."""
         return self.codec.decode(payload, size, who)
 
+    def check(self, payload: bytes, size: int, who: str = "payload") -> None:
+        check_payload(self.codec, payload, size, who)
+
 
 F32 = F32Codec()
 INT8 = Int8Codec()
 CODECS: dict[str, F32Codec | Int8Codec] = {"f32": F32, "int8": INT8}
+
+
+def check_payload(codec: Codec, payload: bytes, size: int, who: str = "payload") -> None:
+    """Refuse (GradientError) exactly what ``codec.decode`` refuses, without making the
+    vector where the codec can tell from the bytes (``check``): a step machine checks
+    each payload as it arrives and decodes it only to average it."""
+    check = getattr(codec, "check", None)
+    if check is None:
+        codec.decode(payload, size, who)
+    else:
+        check(payload, size, who)
 
 
 def codec_by_name(name: str) -> F32Codec | Int8Codec:

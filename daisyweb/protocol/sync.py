@@ -67,7 +67,7 @@ from daisyweb.protocol.averaging import (
     average_in_roster_order,
     weighted_average_in_roster_order,
 )
-from daisyweb.protocol.codec import F32, Codec
+from daisyweb.protocol.codec import F32, Codec, check_payload
 from daisyweb.protocol.hashes import HashBook, HashDuties
 from daisyweb.protocol.leading import LeaderDuties
 from daisyweb.protocol.ledger import StepLedger
@@ -402,7 +402,8 @@ class StepMachine(LeaderDuties, HashDuties):
     def _accept_gradient(self, out: list[Action], step: int, sender: str, payload: bytes) -> bool:
         """Validate (decode) and store one gradient; halt (state untouched) if it is bad."""
         try:
-            self.codec.decode(payload, self.replica.size, f"gradient from {sender}")
+            # Checked on its bytes (no vector made): decoded only when averaged.
+            check_payload(self.codec, payload, self.replica.size, f"gradient from {sender}")
         except GradientError as exc:
             self._stop(out, step, f"refused at step {step}: {exc}", broadcast=True)
             return False
