@@ -395,6 +395,11 @@ def _take(key: tuple[Any, ...]) -> _Work:
 
 def _give(work: _Work) -> None:
     with _pool_lock:
+        # An idle workspace of the same kind for another batch shape goes: a peer whose
+        # share of the batch changed (capacity-weighted rows) would otherwise keep both,
+        # about 37 MB each for a training step at the demo default.
+        cfg, _, keep, dt = work.key
+        _pool[:] = [w for w in _pool if (w.key[0], w.key[2], w.key[3]) != (cfg, keep, dt)]
         _pool.append(work)
         del _pool[:-_POOL_MAX]
 

@@ -236,20 +236,31 @@ class DaisyAdam:
             np.subtract(p, s2, out=p)
 
     # ------------------------------------------------------------------ state
-    def state_dict(self) -> dict[str, Any]:
-        """A copy of the full optimizer state (arrays copied, floats binary64)."""
+    def state_dict(self, copy: bool = True) -> dict[str, Any]:
+        """A copy of the full optimizer state (arrays copied, floats binary64).
+
+        ``copy=False`` hands out the live ``m`` and ``v`` instead (no 8P bytes copied): for
+        an optimizer that is done stepping, or a caller that only reads them before the
+        next step.
+        """
+        m, v = (self.m.copy(), self.v.copy()) if copy else (self.m, self.v)
         return {
             "config": self.config.to_dict(),
             "size": self.size,
             "step": self.step_count,
             "beta1_power": float(self.beta1_power),
             "beta2_power": float(self.beta2_power),
-            "m": self.m.copy(),
-            "v": self.v.copy(),
+            "m": m,
+            "v": v,
         }
 
-    def load_state_dict(self, state: dict[str, Any]) -> None:
-        """Validate ``state`` completely, then replace the current state (all or nothing)."""
+    def load_state_dict(self, state: dict[str, Any], copy: bool = True) -> None:
+        """Validate ``state`` completely, then replace the current state (all or nothing).
+
+        ``copy=False`` adopts contiguous, writable ``m`` and ``v`` arrays as they are (no
+        copy): the caller hands them over and must not use them elsewhere while this
+        optimizer steps.
+        """
         if not isinstance(state, dict):
             raise ValueError("state must be a dict")
         expected = {"config", "size", "step", "beta1_power", "beta2_power", "m", "v"}
@@ -288,7 +299,9 @@ class DaisyAdam:
                 raise ValueError(f"{name} must have shape ({self.size},), got {arr.shape}")
             if not np.isfinite(arr).all():
                 raise ValueError(f"{name} contains NaN or Inf")
-            arrays[name] = np.ascontiguousarray(arr).copy()
+            arr = np.ascontiguousarray(arr)
+            # A read-only array is copied all the same: step() updates m and v in place.
+            arrays[name] = arr.copy() if copy or not arr.flags.writeable else arr
         if (arrays["v"] < 0).any():
             raise ValueError("v must be non-negative")
         self.m = arrays["m"]
@@ -296,6 +309,13 @@ class DaisyAdam:
         self.step_count = step
         self.beta1_power = e1
         self.beta2_power = e2
+
+
+def le_f32_bytes(arr: np.ndarray) -> memoryview:
+    """The little-endian float32 bytes of ``arr`` for hashing: a view of the array itself
+    when it already is contiguous ``<f4`` (no 4P-byte copy, as ``tobytes`` made), else of
+    a converted copy. The same bytes either way."""
+    return memoryview(np.ascontiguousarray(arr, dtype="<f4")).cast("B")
 
 
 def weight_hash(params: np.ndarray, optimizer: DaisyAdam) -> str:
@@ -312,7 +332,7 @@ def weight_hash(params: np.ndarray, optimizer: DaisyAdam) -> str:
     h.update(_HASH_MAGIC)
     h.update(struct.pack("<Q", optimizer.size))
     for arr in (params, optimizer.m, optimizer.v):
-        h.update(np.ascontiguousarray(arr, dtype="<f4").tobytes())
+        h.update(le_f32_bytes(arr))
     h.update(struct.pack("<Qdd", optimizer.step_count, optimizer.beta1_power,
                          optimizer.beta2_power))
     return h.hexdigest()

@@ -63,7 +63,12 @@ from typing import IO, Any
 
 import numpy as np
 
-from daisyweb.checkpoints.ptfile import DEFAULT_MAX_BYTES, PtFormatError, load_pt, save_pt
+from daisyweb.checkpoints.ptfile import (
+    DEFAULT_MAX_BYTES,
+    PtFormatError,
+    dumps_pt,
+    load_pt,
+)
 from daisyweb.checkpoints.quote import short_repr
 from daisyweb.model import ModelConfig, param_count, param_layout
 from daisyweb.optim import AdamConfig, DaisyAdam, weight_hash
@@ -233,8 +238,9 @@ def _check_adam_values(adam: dict, cfg: dict) -> None:
                        "the optimizer state was damaged; use another checkpoint")
 
 
-def _restore(adam: Any, size: int) -> DaisyAdam:
-    """A fresh DaisyAdam holding ``adam`` (fully validated by load_state_dict)."""
+def _restore(adam: Any, size: int, copy: bool = True) -> DaisyAdam:
+    """A fresh DaisyAdam holding ``adam`` (fully validated by load_state_dict; its arrays
+    adopted as they are with ``copy=False``)."""
     if not isinstance(adam, dict):
         raise _err(f"adam state must be a dict, got {type(adam).__name__}",
                    "the file is damaged or not a daisyweb checkpoint")
@@ -244,7 +250,7 @@ def _restore(adam: Any, size: int) -> DaisyAdam:
     _check_adam_values(adam, cfg)
     try:
         opt = DaisyAdam(AdamConfig(**cfg), size)
-        opt.load_state_dict(adam)
+        opt.load_state_dict(adam, copy=copy)
     except (TypeError, ValueError) as exc:
         raise _err(f"adam state is inconsistent: {exc}",
                    "the optimizer state was damaged; use another checkpoint") from None
@@ -267,8 +273,12 @@ def _check_params(model: ModelConfig, params: Any) -> np.ndarray:
 
 # ---------------------------------------------------------------------------- build
 def make_checkpoint(model: ModelConfig, tokenizer: TokenizerInfo, params: np.ndarray,
-                    optimizer: DaisyAdam, run: dict) -> Checkpoint:
-    """Snapshot the current training state (arrays copied, weight hash computed)."""
+                    optimizer: DaisyAdam, run: dict, copy: bool = True) -> Checkpoint:
+    """Snapshot the current training state (arrays copied, weight hash computed).
+
+    ``copy=False`` shares the arrays instead: for a checkpoint turned into bytes at once
+    (a snapshot to send), before anything can change them.
+    """
     if not isinstance(model, ModelConfig):
         raise _err(f"model must be a ModelConfig, got {type(model).__name__}",
                    "pass the run's ModelConfig")
@@ -286,7 +296,8 @@ def make_checkpoint(model: ModelConfig, tokenizer: TokenizerInfo, params: np.nda
         raise _err(f"optimizer size {optimizer.size} != param count {params.size}",
                    "pass the optimizer that trains these params")
     return Checkpoint(model=model, tokenizer=tokenizer, step=optimizer.step_count,
-                      params=params.copy(), adam=optimizer.state_dict(),
+                      params=params.copy() if copy else params,
+                      adam=optimizer.state_dict(copy=copy),
                       weight_hash=weight_hash(params, optimizer), run=dict(_check_run(run)))
 
 
@@ -323,12 +334,14 @@ def checkpoint_to_tree(ckpt: Checkpoint) -> dict[str, Any]:
 def checkpoint_from_tree(tree: Any, *, expect_model: ModelConfig | None = None,
                          expect_tokenizer: TokenizerInfo | None = None,
                          expect_step: int | None = None,
-                         expect_weight_hash: str | None = None) -> Checkpoint:
+                         expect_weight_hash: str | None = None,
+                         _copy: bool = True) -> Checkpoint:
     """Validate a loaded ``.pt`` dict completely and build a new Checkpoint from it.
 
     ``expect_*`` (all optional) refuse a checkpoint that is valid but not the one the
     caller wants: another model or tokenizer, or, for a snapshot, not the step and weight
-    hash the group announced.
+    hash the group announced. ``_copy=False`` (this module's readers, whose tree was just
+    loaded and is theirs alone): the result's Adam moments are the tree's arrays.
     """
     if not isinstance(tree, dict):
         raise _err(f"the file holds a {type(tree).__name__}, not a daisyweb checkpoint dict",
@@ -406,7 +419,7 @@ def checkpoint_from_tree(tree: Any, *, expect_model: ModelConfig | None = None,
         off += n
     params = _check_params(model, params)
 
-    opt = _restore(tree["adam"], params.size)
+    opt = _restore(tree["adam"], params.size, copy=_copy)
     if opt.step_count != step:
         raise _err(f"adam state is at step {opt.step_count} but the checkpoint says {step}",
                    "the file is inconsistent; use another checkpoint")
@@ -429,13 +442,12 @@ def checkpoint_to_bytes(ckpt: Checkpoint) -> bytes:
     """The ``.pt`` file bytes of a checkpoint (validated first; deterministic)."""
     tree = checkpoint_to_tree(ckpt)
     # Same checks as a reader would run: refuse to write or send what nobody could load.
-    checkpoint_from_tree(tree)
-    buf = io.BytesIO()
+    # (The Checkpoint it builds is dropped at once, so it may share the tree's arrays.)
+    checkpoint_from_tree(tree, _copy=False)
     try:
-        save_pt(buf, tree)
+        return dumps_pt(tree)
     except (TypeError, ValueError) as exc:
         raise _err(f"cannot encode checkpoint: {exc}", "check the run metadata values") from None
-    return buf.getvalue()
 
 
 def checkpoint_from_bytes(data: bytes, *, expect_model: ModelConfig | None = None,
@@ -454,7 +466,7 @@ def checkpoint_from_bytes(data: bytes, *, expect_model: ModelConfig | None = Non
     tree = _load_tree(io.BytesIO(data), len(data), max_bytes)
     return checkpoint_from_tree(tree, expect_model=expect_model,
                                 expect_tokenizer=expect_tokenizer, expect_step=expect_step,
-                                expect_weight_hash=expect_weight_hash)
+                                expect_weight_hash=expect_weight_hash, _copy=False)
 
 
 def _load_tree(f: IO[bytes], size: int, max_bytes: int) -> Any:
@@ -546,7 +558,7 @@ def load_checkpoint(path: str | os.PathLike[str], *, expect_model: ModelConfig |
             tree = _load_tree(f, size, max_bytes)
         return checkpoint_from_tree(tree, expect_model=expect_model,
                                     expect_tokenizer=expect_tokenizer, expect_step=expect_step,
-                                    expect_weight_hash=expect_weight_hash)
+                                    expect_weight_hash=expect_weight_hash, _copy=False)
     except OSError as exc:
         raise _err(f"cannot read checkpoint {name}: {exc.strerror or exc}",
                    "check the path") from None
@@ -554,8 +566,9 @@ def load_checkpoint(path: str | os.PathLike[str], *, expect_model: ModelConfig |
         raise CheckpointError(f"{name}: {exc}") from None
 
 
-def restore_optimizer(ckpt: Checkpoint) -> DaisyAdam:
-    """A new DaisyAdam in the checkpoint's state (config from ``ckpt.adam["config"]``)."""
+def restore_optimizer(ckpt: Checkpoint, copy: bool = True) -> DaisyAdam:
+    """A new DaisyAdam in the checkpoint's state (config from ``ckpt.adam["config"]``);
+    with ``copy=False`` it takes over the checkpoint's moment arrays."""
     if not isinstance(ckpt, Checkpoint):
         raise _err(f"expected a Checkpoint, got {type(ckpt).__name__}",
                    "load one with load_checkpoint()")
@@ -566,7 +579,7 @@ def restore_optimizer(ckpt: Checkpoint) -> DaisyAdam:
     if size != param_count(ckpt.model):
         raise _err(f"adam state size {size} != param count {param_count(ckpt.model)} of "
                    f"{ckpt.model}", "the checkpoint is inconsistent; use another one")
-    opt = _restore(ckpt.adam, size)
+    opt = _restore(ckpt.adam, size, copy=copy)
     if opt.step_count != ckpt.step:
         raise _err(f"adam state is at step {opt.step_count} but the checkpoint says "
                    f"{ckpt.step}", "the checkpoint is inconsistent; use another one")

@@ -42,7 +42,8 @@ import numpy as np
 from daisyweb.checkpoints.quote import short_name, short_repr
 from daisyweb.checkpoints.unpickle import Global, PickleRefused, load_restricted
 
-__all__ = ["PtFormatError", "save_pt", "load_pt", "DEFAULT_MAX_BYTES", "MAX_PICKLE_BYTES"]
+__all__ = ["PtFormatError", "save_pt", "dumps_pt", "load_pt", "DEFAULT_MAX_BYTES",
+           "MAX_PICKLE_BYTES"]
 
 DEFAULT_MAX_BYTES = 4 << 30
 # The largest model ModelConfig admits (1024 layers) pickles to about 2 MB; a data.pkl
@@ -83,7 +84,7 @@ class _Encoder:
 
     def __init__(self) -> None:
         self.out = io.BytesIO()
-        self.storages: list[bytes] = []
+        self.storages: list[memoryview] = []
 
     def w(self, b: bytes) -> None:
         self.out.write(b)
@@ -117,9 +118,12 @@ class _Encoder:
         dt = np.dtype(dt.str)
         if dt not in _STORAGE_FOR_DTYPE:
             raise TypeError(f"unsupported array dtype {arr.dtype}")
-        arr = np.array(arr, dtype=dt, order="C", copy=True)  # keeps 0-d shape
+        # C order in the file's byte order: a view of ``arr`` itself when it already is
+        # (no copy of the weights and moments: the file is built before anything can
+        # change them, save_pt and dumps_pt being synchronous), else a converted copy.
+        arr = np.asarray(arr, dtype=dt, order="C")  # keeps 0-d shape
         key = str(len(self.storages))
-        self.storages.append(arr.tobytes())
+        self.storages.append(memoryview(arr.reshape(-1)).cast("B"))
         shape = tuple(int(s) for s in arr.shape)
         stride = tuple(int(s) // dt.itemsize for s in arr.strides) if arr.size else tuple(
             int(np.prod(shape[i + 1:], dtype=np.int64)) for i in range(len(shape)))
@@ -188,7 +192,8 @@ class _Encoder:
             raise TypeError(f"cannot save value of type {type(obj).__name__}")
 
 
-def _aligned_entry(zf: zipfile.ZipFile, buf: io.BytesIO, name: str, data: bytes) -> None:
+def _aligned_entry(zf: zipfile.ZipFile, buf: io.BytesIO, name: str,
+                   data: bytes | memoryview) -> None:
     info = zipfile.ZipInfo(name, date_time=(1980, 1, 1, 0, 0, 0))
     info.compress_type = zipfile.ZIP_STORED
     info.create_system = 0
@@ -204,19 +209,7 @@ def save_pt(path_or_file: str | os.PathLike[str] | IO[bytes], obj: Any) -> None:
 
     The whole archive is built in memory first, so a failure never leaves a partial file.
     """
-    enc = _Encoder()
-    enc.w(pickle.PROTO + b"\x02")
-    enc.value(obj)
-    enc.w(pickle.STOP)
-    buf = io.BytesIO()
-    with zipfile.ZipFile(buf, "w", zipfile.ZIP_STORED, allowZip64=True) as zf:
-        entries = [("data.pkl", enc.out.getvalue()), (".format_version", b"1"),
-                   (".storage_alignment", b"64"), ("byteorder", b"little")]
-        entries += [(f"data/{i}", b) for i, b in enumerate(enc.storages)]
-        entries.append(("version", b"3\n"))
-        for name, data in entries:
-            _aligned_entry(zf, buf, f"{_ARCHIVE}/{name}", data)
-    payload = buf.getvalue()
+    payload = dumps_pt(obj)
     if hasattr(path_or_file, "write"):
         path_or_file.write(payload)  # type: ignore[union-attr]
     else:
@@ -230,6 +223,24 @@ def save_pt(path_or_file: str | os.PathLike[str] | IO[bytes], obj: Any) -> None:
             with contextlib.suppress(OSError):
                 os.unlink(tmp)
             raise
+
+
+def dumps_pt(obj: Any) -> bytes:
+    """The ``.pt`` file bytes of ``obj`` (what :func:`save_pt` writes)."""
+    enc = _Encoder()
+    enc.w(pickle.PROTO + b"\x02")
+    enc.value(obj)
+    enc.w(pickle.STOP)
+    buf = io.BytesIO()
+    with zipfile.ZipFile(buf, "w", zipfile.ZIP_STORED, allowZip64=True) as zf:
+        entries = [("data.pkl", enc.out.getvalue()), (".format_version", b"1"),
+                   (".storage_alignment", b"64"), ("byteorder", b"little")]
+        entries += [(f"data/{i}", b) for i, b in enumerate(enc.storages)]
+        entries.append(("version", b"3\n"))
+        for name, data in entries:
+            _aligned_entry(zf, buf, f"{_ARCHIVE}/{name}", data)
+    del entries, enc  # the storages' copies, before the result is taken out of buf
+    return buf.getvalue()
 
 
 # ---------------------------------------------------------------------------- reading

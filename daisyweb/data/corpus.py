@@ -34,16 +34,21 @@ HELDOUT_FIRST_PARAGRAPH = "The Book of Colossians"
 """The title paragraph that starts the held-out part (the split is a fixed rule)."""
 
 
+def _read_text() -> str:
+    """The shipped file's text, read now and not kept (see :func:`builtin_tokens`)."""
+    return gzip.decompress(CORPUS_FILE.read_bytes()).decode("utf-8")
+
+
 @functools.cache
 def full_corpus_text() -> str:
     """The whole shipped file, held-out part included. For the tokenizer only: never train on it."""
-    return gzip.decompress(CORPUS_FILE.read_bytes()).decode("utf-8")
+    return _read_text()
 
 
 @functools.cache
 def heldout_start() -> int:
     """Character offset in :func:`full_corpus_text` where the held-out part begins."""
-    text = full_corpus_text()
+    text = _read_text()
     marker = "\n\n" + HELDOUT_FIRST_PARAGRAPH + "\n\n"
     at = text.find(marker)
     if at < 0 or text.find(marker, at + 1) >= 0:
@@ -84,7 +89,9 @@ def heldout_paragraphs() -> tuple[str, ...]:
 
 
 def _encode(text: str) -> np.ndarray:
-    ids = default_tokenizer().encode(text)
+    # A word cache of its own, dropped with the text: the tokenizer's would keep every
+    # distinct word of the corpus (~8 MB) for the rest of the process.
+    ids = default_tokenizer().encode(text, cache={})
     ids.setflags(write=False)  # shared by every caller: nobody may edit it in place
     return ids
 
@@ -94,12 +101,13 @@ def builtin_tokens() -> np.ndarray:
     """``default_tokenizer().encode(builtin_text())`` as int32, cached in memory (read-only).
 
     The training part only. Encoding takes a few seconds once per process; nothing is
-    written to disk, since the package directory may be read-only.
+    written to disk, since the package directory may be read-only. Only the tokens are
+    kept: the text is read for the encoding and dropped (a peer never needs it again).
     """
-    return _encode(builtin_text())
+    return _encode(_read_text()[: heldout_start() - 1])
 
 
 @functools.cache
 def heldout_tokens() -> np.ndarray:
     """``default_tokenizer().encode(heldout_text())`` as int32, cached (read-only)."""
-    return _encode(heldout_text())
+    return _encode(_read_text()[heldout_start() :])

@@ -36,6 +36,8 @@ def _as_tokens(tokens: np.ndarray) -> np.ndarray:
         raise ValueError("tokens must be a 1-D array of integer token ids")
     if arr.size and (int(arr.min()) < 0 or int(arr.max()) > np.iinfo(np.int32).max):
         raise ValueError("token ids must be non-negative int32 values")
+    if arr.dtype == np.int32 and not arr.flags.writeable and arr.base is None:
+        return arr  # read-only and owning its data (the built-in tokens): shared, not copied
     return arr.astype(np.int32)  # a private copy: later edits by the caller change nothing
 
 
@@ -60,7 +62,9 @@ class BatchSampler:
         self.batch, self.seq, self.seed, self.peer = int(batch), int(seq), int(seed), peer
         self.max_tokens = int(max_tokens)
         self._key = np.uint64(_key(self.seed, peer))
-        self._tokens = arr[-self.max_tokens:].copy()
+        # _as_tokens made a private copy or shares a read-only array: copy again only to
+        # release a head beyond max_tokens.
+        self._tokens = arr[-self.max_tokens:].copy() if arr.size > self.max_tokens else arr
 
     @property
     def tokens(self) -> np.ndarray:

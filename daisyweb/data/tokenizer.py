@@ -170,12 +170,18 @@ class Tokenizer:
             ids = _merge_pair(ids, pair, new_id)
         return tuple(ids)
 
-    def encode(self, text: str) -> np.ndarray:
+    def encode(self, text: str, cache: dict[str, tuple[int, ...]] | None = None) -> np.ndarray:
         """int32 ids of ``text``. Safe to call from several threads (the cache is a dict
-        whose single get/set operations are atomic; a race only recomputes a word)."""
+        whose single get/set operations are atomic; a race only recomputes a word).
+
+        ``cache`` replaces the tokenizer's own word cache for this call (the ids are the
+        same): a caller encoding one big text once passes a dict it drops afterwards, so
+        the text's words are not kept for the rest of the process.
+        """
         if not isinstance(text, str):
             raise TypeError(f"encode takes str, not {type(text).__name__}")
-        cache = self._cache
+        if cache is None:
+            cache = self._cache
         # Words one at a time (finditer, not findall) into 4-byte ids: the built-in corpus
         # as a list of ~1 M word strings and Python ints peaked at ~70 MB per peer.
         out = array.array("i")

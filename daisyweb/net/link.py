@@ -213,8 +213,9 @@ class Link:
 
     # ------------------------------------------------------------------ sending
 
-    async def send(self, data: bytes) -> None:
-        """Send one encoded message (waits while the channel buffer is full)."""
+    async def send(self, data: bytes | tuple[bytes | memoryview, ...]) -> None:
+        """Send one encoded message, or its parts (``wire.encode_parts``); waits while
+        the channel buffer is full."""
         frames = framing.iter_frames(data, next(self._msg_ids))  # made as they go out
         async with self._send_lock:  # one message at a time: frames never interleave
             channel = self.channel

@@ -183,10 +183,12 @@ class Mesh:
 
     async def send(self, peer: str, message: wire.Message) -> None:
         """Send one message to ``peer`` (waits while its channel buffer is full)."""
-        data = wire.encode(message)
-        if len(data) > self._max_message_bytes:
+        # A snapshot's payload is framed from its own buffer, not copied into the message.
+        data = wire.encode_parts(message)
+        size = sum(len(part) for part in data)
+        if size > self._max_message_bytes:
             raise MeshError(
-                f"{message.type} message is {len(data)} bytes, over max_message_bytes "
+                f"{message.type} message is {size} bytes, over max_message_bytes "
                 f"{self._max_message_bytes}"
             )
         link = self._links.get(peer)

@@ -14,11 +14,14 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import functools
 import signal
 import time
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
+
+import numpy as np
 
 from daisyweb.checkpoints.checkpoint import TokenizerInfo, checkpoint_to_bytes
 from daisyweb.data import Tokenizer, builtin_tokens
@@ -56,6 +59,7 @@ from daisyweb.training.state import TrainState, probe_hash
 __all__ = ["TICK_S", "Driver", "MeshFactory"]
 
 TICK_S = 0.2
+_NO_VECTOR = np.zeros(0, np.float32)
 
 MeshFactory = Callable[..., Mesh]
 
@@ -337,7 +341,9 @@ class Driver:
                              self.encoder.decode(self.encoder.last_payload, m.replica.size))
         await self._do(actions)
         if current and self.result is None:
-            self._start_head(m, step + 1, contribution)
+            # The head start needs our end weights and moments, not the delta (sent and
+            # kept as bytes now): without it, its 4P bytes are freed meanwhile.
+            self._start_head(m, step + 1, dataclasses.replace(contribution, vector=_NO_VECTOR))
 
     def _start_head(self, m: sync.StepMachine, index: int, previous: Contribution) -> None:
         """Start round ``index``'s first ``overlap`` steps while this exchange is in flight."""
@@ -465,7 +471,9 @@ class Driver:
         if self.trainer.step != step:  # cannot happen: the machine asks at its boundary
             log(f"not sending a snapshot of step {step} from step {self.trainer.step}")
             return
-        payload = checkpoint_to_bytes(self.state.checkpoint(self.tokinfo))
+        # Not copied: the arrays are turned into bytes right here, on the event loop,
+        # before anything can replace or step them.
+        payload = checkpoint_to_bytes(self.state.checkpoint(self.tokinfo, copy=False))
         payload, announced = self.faults.snapshot(payload, self.state.weight_hash())
         self._send((peer,), self.state.run.to_wire())
         self._send((peer,), wire.Snapshot(step, announced, payload))

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from daisyweb.protocol.codec import Codec, codec_by_name
+from daisyweb.protocol.codec import Codec, check_payload, codec_by_name
 from daisyweb.training.config import RunConfig
 from daisyweb.training.rounds import LockstepTrainer, RoundTrainer, round_count
 from daisyweb.training.state import TrainState
@@ -42,6 +42,9 @@ class RecordingEncoder:
 
     def decode(self, payload: bytes, size: int, who: str = "payload") -> np.ndarray:
         return self._codec.decode(payload, size, who)
+
+    def check(self, payload: bytes, size: int, who: str = "payload") -> None:
+        check_payload(self._codec, payload, size, who)
 
 
 def mode(run: RunConfig) -> str:

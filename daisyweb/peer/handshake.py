@@ -107,7 +107,7 @@ def _resumed_state(opts: PeerOptions, tokinfo: TokenizerInfo) -> TrainState:
         raise PeerError(2, f"{where}: already at step {step} of {run.steps} "
                            f"(--steps N above {step} trains on)")
     try:
-        state = TrainState.from_checkpoint(ckpt, run)
+        state = TrainState.from_checkpoint(ckpt, run, copy=False)  # ckpt is dropped
         make_trainer(state)
     except ValueError as exc:
         raise PeerError(2, f"{where}: {exc}") from None
@@ -269,7 +269,7 @@ def _checked_start(leader: str, config: wire.Config, snapshot: wire.Snapshot,
         run = RunConfig.from_wire(config)
         ckpt = checkpoint_from_bytes(snapshot.payload, expect_model=run.model,
                                      expect_tokenizer=tokinfo)
-        state = TrainState.from_checkpoint(ckpt, run)
+        state = TrainState.from_checkpoint(ckpt, run, copy=False)  # ckpt is dropped
     except (CheckpointError, ValueError, wire.WireError) as exc:
         raise PeerError(1, f"refused the snapshot from {leader}: {exc}") from None
     boundary = (state.step if run.sync_every == 1

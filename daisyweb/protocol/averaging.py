@@ -8,7 +8,7 @@ order, then one multiplication by ``float32(1 / n)`` (computed in binary64, roun
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence, Sized
 
 import numpy as np
 
@@ -34,26 +34,36 @@ def check_gradient(grad: object, size: int, who: str = "gradient") -> np.ndarray
     return np.ascontiguousarray(grad)
 
 
-def average_in_roster_order(grads: Sequence[np.ndarray]) -> np.ndarray:
+def average_in_roster_order(grads: Iterable[np.ndarray]) -> np.ndarray:
     """``f32(1/n) * (((g0 + g1) + g2) + ...)``, every operation elementwise float32.
 
-    All gradients must already be validated float32 vectors of one length.
+    All gradients must already be validated float32 vectors of one length. They are
+    read one at a time, in order: ``grads`` may be a generator that decodes each only
+    when it is added, so the roster's vectors are never all held at once.
     """
-    if not grads:
-        raise GradientError("cannot average an empty roster")
-    size = grads[0].shape
+    total: np.ndarray | None = None
+    n = 0
     for g in grads:
-        if not isinstance(g, np.ndarray) or g.dtype != _F32 or g.shape != size:
-            raise GradientError("all gradients must be float32 arrays of the same shape")
-    total = grads[0].copy()
-    for g in grads[1:]:
-        np.add(total, g, out=total)
-    if len(grads) > 1:
-        np.multiply(total, np.float32(1.0 / len(grads)), out=total)
+        _check_same(g, total)
+        if total is None:
+            total = g.copy()
+        else:
+            np.add(total, g, out=total)
+        n += 1
+    if total is None:
+        raise GradientError("cannot average an empty roster")
+    if n > 1:
+        np.multiply(total, np.float32(1.0 / n), out=total)
     return total
 
 
-def weighted_average_in_roster_order(grads: Sequence[np.ndarray],
+def _check_same(g: object, total: np.ndarray | None) -> None:
+    if not isinstance(g, np.ndarray) or g.dtype != _F32 or (
+            total is not None and g.shape != total.shape):
+        raise GradientError("all gradients must be float32 arrays of the same shape")
+
+
+def weighted_average_in_roster_order(grads: Iterable[np.ndarray],
                                      shares: Sequence[int]) -> np.ndarray:
     """The full-batch mean of contributions over ``shares[i]`` sequences each.
 
@@ -62,22 +72,48 @@ def weighted_average_in_roster_order(grads: Sequence[np.ndarray],
     ``f32(1/T) * (((f32(n_0) g_0 + f32(n_1) g_1) + f32(n_2) g_2) + ...)``, every operation
     elementwise float32 in roster order. Equal shares are the plain mean, computed as
     :func:`average_in_roster_order` does (bit for bit what capacity off computes).
+    ``grads`` is read one at a time, as there.
     """
-    if len(shares) != len(grads):
-        raise GradientError(f"{len(shares)} shares for {len(grads)} contributions")
     if any(isinstance(n, bool) or not isinstance(n, (int, np.integer)) or n < 1
            for n in shares):
         raise GradientError("shares must be positive integers")
+    if isinstance(grads, Sized) and len(shares) != len(grads):
+        raise GradientError(f"{len(shares)} shares for {len(grads)} contributions")
     if len(set(int(n) for n in shares)) <= 1:
-        return average_in_roster_order(grads)
-    size = grads[0].shape
+        return _counted(average_in_roster_order, grads, len(shares))
+    total: np.ndarray | None = None
+    scaled: np.ndarray | None = None
+    count = 0
     for g in grads:
-        if not isinstance(g, np.ndarray) or g.dtype != _F32 or g.shape != size:
-            raise GradientError("all gradients must be float32 arrays of the same shape")
-    total = np.multiply(grads[0], np.float32(shares[0]), dtype=np.float32)
-    scaled = np.empty_like(total)
-    for g, n in zip(grads[1:], shares[1:], strict=True):
-        np.multiply(g, np.float32(n), out=scaled)
-        np.add(total, scaled, out=total)
+        if count >= len(shares):
+            raise GradientError(f"{len(shares)} shares for more contributions")
+        _check_same(g, total)
+        n = np.float32(shares[count])
+        if total is None:
+            total = np.multiply(g, n, dtype=np.float32)
+            scaled = np.empty_like(total)
+        else:
+            np.multiply(g, n, out=scaled)
+            np.add(total, scaled, out=total)
+        count += 1
+    if total is None or count != len(shares):
+        raise GradientError(f"{len(shares)} shares for {count} contributions")
     np.multiply(total, np.float32(1.0 / sum(int(n) for n in shares)), out=total)
+    return total
+
+
+def _counted(average: Callable[[Iterable[np.ndarray]], np.ndarray],
+             grads: Iterable[np.ndarray], expected: int) -> np.ndarray:
+    """``average(grads)``, refusing unless exactly ``expected`` gradients were read."""
+    seen = 0
+
+    def counting() -> Iterator[np.ndarray]:
+        nonlocal seen
+        for g in grads:
+            seen += 1
+            yield g
+
+    total = average(counting())
+    if seen != expected:
+        raise GradientError(f"{expected} shares for {seen} contributions")
     return total

@@ -21,7 +21,7 @@ import numpy as np
 from daisyweb.protocol.averaging import GradientError, check_gradient
 
 __all__ = ["Codec", "F32Codec", "F32", "Int8Codec", "INT8", "ErrorFeedback",
-           "ErrorFeedbackEncoder", "codec_by_name", "CODECS"]
+           "ErrorFeedbackEncoder", "check_payload", "codec_by_name", "CODECS"]
 
 _F32 = np.float32
 
@@ -49,6 +49,13 @@ class F32Codec:
             raise GradientError(f"{who}: expected {size} values, got {len(payload)} bytes")
         return check_gradient(np.frombuffer(payload, dtype="<f4").astype(np.float32), size, who)
 
+    def check(self, payload: bytes, size: int, who: str = "payload") -> None:
+        """What :meth:`decode` refuses, checked on the bytes in place (no vector made)."""
+        if len(payload) != 4 * size:
+            raise GradientError(f"{who}: expected {size} values, got {len(payload)} bytes")
+        view = np.frombuffer(payload, dtype="<f4").astype(np.float32, copy=False)
+        check_gradient(view, size, who)
+
     def encoder(self, size: int) -> F32Codec:
         """Lossless, so there is no error to feed back: the codec is its own encoder."""
         return self
@@ -63,6 +70,7 @@ _TINY = _F32(np.finfo(np.float32).tiny)  # 2**-126, the smallest normal float32
 _MAX_SCALE = _F32(2.0**120)  # 127 * _MAX_SCALE < 2**127: a decoded value is always finite
 _127 = _F32(127.0)
 _HALF = _F32(0.5)
+_CHUNK_BLOCKS = 256  # blocks per chunk of encoding and decoding work (256 KiB of float32)
 
 
 class Int8Codec:
@@ -112,26 +120,62 @@ class Int8Codec:
         if not isinstance(vector, np.ndarray) or vector.ndim != 1:
             raise GradientError(f"{who}: expected a 1-D float32 array")
         x = check_gradient(vector, vector.size, who)
+        scales = np.empty(self.nblocks(x.size), np.float32)
+        q = np.empty(x.size, np.int8)
+        # Whole blocks at a time: every operation is per element or per block, so the
+        # bytes are those of the whole vector at once, with temporaries of one chunk.
+        step = self.block * _CHUNK_BLOCKS
+        for start in range(0, x.size, step):
+            stop = min(start + step, x.size)
+            first = start // self.block
+            s, qc = self._quantize_blocks(x[start:stop])
+            scales[first : first + s.size] = s
+            q[start:stop] = qc
+        if np.any(scales > _MAX_SCALE):
+            raise GradientError(f"{who}: values above {float(_MAX_SCALE) * 127:.3g} "
+                                "cannot be sent as int8")
+        return scales.astype("<f4"), q
+
+    def _quantize_blocks(self, x: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """Scales and int8 values of ``x``, whole blocks (the last one may be short)."""
         x = np.where(np.abs(x) < _TINY, _F32(0.0), x)  # no subnormal reaches the arithmetic
         blocks = self._blocks(x)
         m = np.max(np.abs(blocks), axis=1) if blocks.size else np.zeros(0, np.float32)
         scales = m / _127
         scales[scales < _TINY] = 0.0
-        if np.any(scales > _MAX_SCALE):
-            raise GradientError(f"{who}: values above {float(_MAX_SCALE) * 127:.3g} "
-                                "cannot be sent as int8")
         zero = scales == 0
         divisor = np.where(zero, _F32(1.0), scales)[:, None]
         q = np.floor(blocks / divisor + _HALF)
         # |x / scale| <= 127 * (1 + 2**-23), so the clamp never binds; it states the range.
         np.clip(q, _F32(-127.0), _127, out=q)
-        return scales.astype("<f4"), q.reshape(-1)[: x.size].astype(np.int8)
+        return scales, q.reshape(-1)[: x.size].astype(np.int8)
 
     def encode(self, vector: np.ndarray) -> bytes:
         scales, q = self.quantize(vector)
         return scales.tobytes() + q.tobytes()
 
     def decode(self, payload: bytes, size: int, who: str = "payload") -> np.ndarray:
+        scales, q = self._checked(payload, size, who)
+        # f32(q) * scale per element, a chunk of whole blocks at a time (no temporaries
+        # of the vector's size).
+        out = np.empty(size, np.float32)
+        step = self.block * _CHUNK_BLOCKS
+        for start in range(0, size, step):
+            stop = min(start + step, size)
+            first, last = start // self.block, -(-stop // self.block)
+            np.multiply(q[start:stop].astype(np.float32),
+                        np.repeat(scales[first:last], self.block)[: stop - start],
+                        out=out[start:stop])
+        return check_gradient(out, size, who)
+
+    def check(self, payload: bytes, size: int, who: str = "payload") -> None:
+        """What :meth:`decode` refuses, without making the vector: the scales and values
+        it refuses are all that can make a decoded value wrong (valid ones always decode
+        to finite float32, see the class docstring)."""
+        self._checked(payload, size, who)
+
+    def _checked(self, payload: bytes, size: int, who: str) -> tuple[np.ndarray, np.ndarray]:
+        """The payload's scales (float32) and int8 values, validated."""
         nb = self.nblocks(size)
         want = 4 * nb + size
         if len(payload) != want:
@@ -154,8 +198,7 @@ class Int8Codec:
         bad = int(np.count_nonzero(q == -128))
         if bad:
             raise GradientError(f"{who}: {bad} int8 values are -128 (reserved)")
-        out = q.astype(np.float32) * np.repeat(scales, self.block)[:size]
-        return check_gradient(out, size, who)
+        return scales, q
 
     def encoder(self, size: int) -> ErrorFeedbackEncoder:
         """A sender's stateful encoder for vectors of ``size``: this codec + error feedback."""
@@ -184,7 +227,8 @@ class ErrorFeedback:
         target = x + self.residual
         payload = codec.encode(target)
         decoded = codec.decode(payload, self.size, "own payload")
-        self.residual = target - decoded
+        # target - decoded, into target's own buffer (a temporary): the same values
+        self.residual = np.subtract(target, decoded, out=target)
         return payload, decoded
 
     def encode(self, codec: Codec, vector: np.ndarray) -> bytes:
@@ -212,10 +256,24 @@ class ErrorFeedbackEncoder:
         """The codec's validating decode (stateless; the residual does not move)."""
         return self.codec.decode(payload, size, who)
 
+    def check(self, payload: bytes, size: int, who: str = "payload") -> None:
+        check_payload(self.codec, payload, size, who)
+
 
 F32 = F32Codec()
 INT8 = Int8Codec()
 CODECS: dict[str, F32Codec | Int8Codec] = {"f32": F32, "int8": INT8}
+
+
+def check_payload(codec: Codec, payload: bytes, size: int, who: str = "payload") -> None:
+    """Refuse (GradientError) exactly what ``codec.decode`` refuses, without making the
+    vector where the codec can tell from the bytes (``check``): a step machine checks
+    each payload as it arrives and decodes it only to average it."""
+    check = getattr(codec, "check", None)
+    if check is None:
+        codec.decode(payload, size, who)
+    else:
+        check(payload, size, who)
 
 
 def codec_by_name(name: str) -> F32Codec | Int8Codec:

@@ -67,7 +67,7 @@ from daisyweb.protocol.averaging import (
     average_in_roster_order,
     weighted_average_in_roster_order,
 )
-from daisyweb.protocol.codec import F32, Codec
+from daisyweb.protocol.codec import F32, Codec, check_payload
 from daisyweb.protocol.hashes import HashBook, HashDuties
 from daisyweb.protocol.leading import LeaderDuties
 from daisyweb.protocol.ledger import StepLedger
@@ -88,7 +88,7 @@ __all__ = [
     "successor",
 ]
 
-HISTORY = 8  # steps of gradients the leader keeps for repair
+HISTORY = 8  # steps of rosters kept (gradients: see StepLedger.forget_before)
 ROSTER_WINDOW = 2  # rosters kept this many steps past our boundary (a new leader's)
 
 
@@ -402,7 +402,8 @@ class StepMachine(LeaderDuties, HashDuties):
     def _accept_gradient(self, out: list[Action], step: int, sender: str, payload: bytes) -> bool:
         """Validate (decode) and store one gradient; halt (state untouched) if it is bad."""
         try:
-            self.codec.decode(payload, self.replica.size, f"gradient from {sender}")
+            # Checked on its bytes (no vector made): decoded only when averaged.
+            check_payload(self.codec, payload, self.replica.size, f"gradient from {sender}")
         except GradientError as exc:
             self._stop(out, step, f"refused at step {step}: {exc}", broadcast=True)
             return False
@@ -440,9 +441,10 @@ class StepMachine(LeaderDuties, HashDuties):
             return False
         if any(p not in st.grads for p in st.roster):
             return False  # exactly the roster's gradients, never a partial average
-        # The decoded values of the very bytes every member holds (its own included).
+        # The decoded values of the very bytes every member holds (its own included),
+        # decoded one at a time as the average adds them (all were validated on arrival).
         size = self.replica.size
-        grads = [self.codec.decode(st.grads[p], size, f"gradient from {p}") for p in st.roster]
+        grads = (self.codec.decode(st.grads[p], size, f"gradient from {p}") for p in st.roster)
         backup = getattr(self.replica, "backup", None)
         if backup is not None:
             self._backup = (step, backup())

@@ -25,6 +25,7 @@ from typing import Any, ClassVar
 import msgpack
 
 __all__ = [
+    "encode_parts",
     "PROTOCOL_VERSION",
     "WireError",
     "Hello",
@@ -429,8 +430,7 @@ MESSAGE_TYPES: dict[str, type[_Msg]] = {
 }
 
 
-def encode(msg: Message) -> bytes:
-    """Message -> msgpack bytes (a map with ``type`` plus every field)."""
+def _as_map(msg: Message) -> dict[str, Any]:
     cls = MESSAGE_TYPES.get(getattr(type(msg), "type", None))  # type: ignore[arg-type]
     if cls is None or type(msg) is not cls:
         raise WireError(f"not a wire message: {type(msg).__name__}")
@@ -438,7 +438,36 @@ def encode(msg: Message) -> bytes:
     for f in fields(msg):
         v = getattr(msg, f.name)
         d[f.name] = list(v) if isinstance(v, tuple) else v
-    return msgpack.packb(d, use_bin_type=True)
+    return d
+
+
+def encode(msg: Message) -> bytes:
+    """Message -> msgpack bytes (a map with ``type`` plus every field)."""
+    return msgpack.packb(_as_map(msg), use_bin_type=True)
+
+
+_BIG_FIELD = 1 << 16  # a trailing bytes field from this size on is sent from its own buffer
+
+
+def encode_parts(msg: Message) -> tuple[bytes | memoryview, ...]:
+    """``encode(msg)`` as parts whose concatenation is exactly those bytes: a big bytes
+    field at the end (a snapshot's payload) is a part of its own, a view of the
+    message's buffer, so sending it never copies the whole message once more."""
+    d = _as_map(msg)
+    last = next(reversed(d))  # msgpack packs a map in this order: the last field last
+    big = d[last]
+    if not isinstance(big, bytes) or len(big) < _BIG_FIELD:
+        return (msgpack.packb(d, use_bin_type=True),)
+    d[last] = b""
+    head = msgpack.packb(d, use_bin_type=True)  # ends in a bin8 of length 0
+    if not head.endswith(b"\xc4\x00"):
+        d[last] = big
+        return (msgpack.packb(d, use_bin_type=True),)  # another layout: the plain way
+    n = len(big)
+    # msgpack's own choice of bin header: the shortest that holds n
+    size = (b"\xc4" + struct.pack(">B", n) if n < 1 << 8 else
+            b"\xc5" + struct.pack(">H", n) if n < 1 << 16 else b"\xc6" + struct.pack(">I", n))
+    return head[:-2] + size, memoryview(big)
 
 
 def decode(data: bytes, max_len: int = MAX_MESSAGE) -> Message:

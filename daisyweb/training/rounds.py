@@ -49,7 +49,7 @@ from typing import Any
 import numpy as np
 
 from daisyweb.model import loss_and_grad
-from daisyweb.optim import DaisyAdam
+from daisyweb.optim import DaisyAdam, le_f32_bytes
 from daisyweb.protocol.averaging import check_gradient
 from daisyweb.training.state import TrainState
 
@@ -86,22 +86,34 @@ class Contribution:
     head_steps: int = 0  # rounds: steps taken as a head start (``--overlap``)
 
 
-@dataclass(frozen=True)
+@dataclass
 class HeadStart:
     """The first ``steps`` inner steps of round ``index``, taken while the previous
     round's exchange is still in flight (``--overlap``).
 
     They start from this member's own weights at the end of the previous round
     (``base``), since the new anchor is not known yet. When it is, the round goes on
-    from ``anchor - (base - local)``: the head start's progress moved onto the anchor.
+    from ``anchor - progress``, ``progress = base - w_k`` (``w_k`` the weights after
+    the head start): the head start's progress moved onto the anchor.
+
+    Used once: :meth:`RoundTrainer.contribute` takes its arrays over (``progress``
+    becomes the round's local weights, ``inner`` its optimizer state), so a head start
+    costs no copy of them.
     """
 
     index: int
     steps: int
     loss_sum: float
-    base: np.ndarray
-    local: np.ndarray
-    inner: dict[str, Any]
+    progress: np.ndarray | None
+    inner: dict[str, Any] | None
+
+    def take(self) -> tuple[np.ndarray, dict[str, Any]]:
+        """The progress and inner state, handed over once."""
+        if self.progress is None or self.inner is None:
+            raise ValueError(f"the head start of round {self.index} was already used")
+        taken = self.progress, self.inner
+        self.progress = self.inner = None
+        return taken
 
 
 def round_count(total_steps: int, sync_every: int) -> int:
@@ -148,7 +160,7 @@ def shared_hash(anchor: np.ndarray, rounds_done: int, inner_steps: int) -> str:
     h = hashlib.blake2b(digest_size=32)
     h.update(_SHARED_MAGIC)
     h.update(struct.pack("<QQQ", anchor.size, rounds_done, inner_steps))
-    h.update(np.ascontiguousarray(anchor, dtype="<f4").tobytes())
+    h.update(le_f32_bytes(anchor))
     return h.hexdigest()
 
 
@@ -241,25 +253,30 @@ class RoundTrainer:
         """Round ``index`` from the current anchor, on copies (see module docstring).
 
         With a ``head`` start of this round, its steps are not taken again: the round
-        goes on from the anchor moved by the head start's progress, with its moments.
+        goes on from the anchor moved by the head start's progress, with its moments
+        (the head start's arrays are taken over: :meth:`HeadStart.take`).
         """
         state = self.state
         anchor = state.params
         optimizer = DaisyAdam(state.optimizer.config, state.size)
         if head is not None and head.index == index:
-            progress = np.subtract(head.base, head.local, dtype=np.float32)
-            local = np.subtract(anchor, progress, dtype=np.float32)
-            optimizer.load_state_dict(head.inner)
+            progress, inner = head.take()
+            # anchor - progress, into the progress buffer: the same float32 subtraction
+            local = np.subtract(anchor, progress, out=progress)
+            optimizer.load_state_dict(inner, copy=False)
+            del progress, inner
             done, total_loss = head.steps, head.loss_sum
         else:
             local = anchor.copy()
-            optimizer.load_state_dict(state.optimizer.state_dict())
+            # One copy of the committed moments (never changed in place: see apply).
+            optimizer.load_state_dict(state.optimizer.state_dict(copy=False))
             done, total_loss = 0, 0.0
         n = self.steps_in(index)
         total_loss += self._local_steps(local, optimizer, index, range(done, n), batch)
         delta = np.subtract(anchor, local, dtype=np.float32)
-        return Contribution(index, total_loss / max(n, 1), delta, optimizer.state_dict(),
-                            local, done)
+        # The local optimizer is done: its arrays become the contribution's inner state.
+        return Contribution(index, total_loss / max(n, 1), delta,
+                            optimizer.state_dict(copy=False), local, done)
 
     def head_start(self, index: int, batch: BatchFn, previous: Contribution,
                    steps: int) -> HeadStart | None:
@@ -274,9 +291,11 @@ class RoundTrainer:
             return None
         local = previous.local.copy()
         optimizer = DaisyAdam(self.state.optimizer.config, self.state.size)
-        optimizer.load_state_dict(previous.inner)
+        optimizer.load_state_dict(previous.inner)  # a copy: the staged state stays intact
         loss_sum = self._local_steps(local, optimizer, index, range(k), batch)
-        return HeadStart(index, k, loss_sum, previous.local, local, optimizer.state_dict())
+        # base - w_k into the weights' own buffer (they are not needed any more)
+        progress = np.subtract(previous.local, local, out=local)
+        return HeadStart(index, k, loss_sum, progress, optimizer.state_dict(copy=False))
 
     def _local_steps(self, local: np.ndarray, optimizer: DaisyAdam, index: int,
                      steps: range, batch: BatchFn) -> float:
@@ -292,22 +311,32 @@ class RoundTrainer:
         return total
 
     def stage(self, contribution: Contribution) -> None:
-        """Keep this member's inner state of a round until the round commits."""
+        """Keep this member's inner state of a round until the round commits.
+
+        Two are kept: the newest round's, and the one before it, which a rollback of the
+        last commit applies again (:meth:`restore`, then :meth:`apply`).
+        """
         if contribution.inner is None:
             raise ValueError("a round contribution carries its inner state")
         self._staged[contribution.index] = contribution.inner
-        for old in [k for k in self._staged if k < contribution.index - 2]:
+        for old in [k for k in self._staged if k < contribution.index - 1]:
             del self._staged[old]
 
     def apply(self, average: np.ndarray) -> None:
-        """Outer step with the roster's mean delta; adopt this member's inner state."""
+        """Outer step with the roster's mean delta; adopt this member's inner state.
+
+        The staged arrays are adopted as they are, not copied: in rounds nothing changes
+        the anchor or the committed moments in place (rounds compute on copies; the outer
+        step makes a new anchor), so the staged state, the optimizer and a backup share
+        them.
+        """
         r = self.rounds_done
         inner = self._staged.get(r)
         if inner is None:
             raise ValueError(f"round {r} committed without this member's inner state")
         mean = check_gradient(average, self.size, "mean round delta")
         new_anchor = outer_step(self.state.params, mean, self.outer_lr)
-        self.state.optimizer.load_state_dict(inner)
+        self.state.optimizer.load_state_dict(inner, copy=False)
         self.state.params = new_anchor
         self.rounds_done = r + 1
 
@@ -315,9 +344,27 @@ class RoundTrainer:
         return shared_hash(self.state.params, self.rounds_done, self.state.step)
 
     def backup(self) -> Any:
-        return self.state.backup(), self.rounds_done
+        """The anchor and the round and inner step counts before a commit, the anchor
+        shared, not copied (it is never changed in place, see :meth:`apply`, only
+        replaced).
+
+        The inner moments are not kept: they are this member's alone (never hashed nor
+        sent), and a rollback always recommits the round at once (``sync._rollback``),
+        which adopts the round's staged moments again, as :meth:`stage` keeps them for.
+        Keeping the moments from before the commit would hold 8P bytes (10.6 MB at the
+        demo default) for the whole next round.
+        """
+        opt = self.state.optimizer
+        return (self.state.params, self.rounds_done,
+                (opt.step_count, opt.beta1_power, opt.beta2_power))
 
     def restore(self, token: Any) -> None:
-        state_token, rounds = token
-        self.state.restore(state_token)
+        """Back to the anchor and counts of :meth:`backup` (so the shared hash is the one
+        from before the commit); the moments stay until the recommit replaces them."""
+        params, rounds, (step, p1, p2) = token
+        opt = self.state.optimizer
+        inner = opt.state_dict(copy=False)
+        inner.update(step=step, beta1_power=p1, beta2_power=p2)
+        opt.load_state_dict(inner, copy=False)
+        self.state.params = params
         self.rounds_done = rounds

@@ -54,15 +54,18 @@ class TrainState:
         return cls(run, params, DaisyAdam(run.adam(), params.size))
 
     @classmethod
-    def from_checkpoint(cls, ckpt: Checkpoint, run: RunConfig | None = None) -> TrainState:
+    def from_checkpoint(cls, ckpt: Checkpoint, run: RunConfig | None = None,
+                        copy: bool = True) -> TrainState:
+        """The state in ``ckpt``; ``copy=False`` takes over its arrays (for a checkpoint
+        that is dropped right after, such as a received snapshot)."""
         run = run or RunConfig.from_checkpoint(ckpt)
         if run.model != ckpt.model:
             raise ValueError("run config model differs from the checkpoint's model")
-        optimizer = restore_optimizer(ckpt)
+        optimizer = restore_optimizer(ckpt, copy=copy)
         if optimizer.config != run.adam():
             raise ValueError(
                 f"checkpoint optimizer {optimizer.config} differs from the run's {run.adam()}")
-        return cls(run, ckpt.params.copy(), optimizer)
+        return cls(run, ckpt.params.copy() if copy else ckpt.params, optimizer)
 
     @property
     def step(self) -> int:
@@ -95,6 +98,8 @@ class TrainState:
         self.params = params.copy()
         self.optimizer.load_state_dict(opt)
 
-    def checkpoint(self, tokenizer: TokenizerInfo) -> Checkpoint:
+    def checkpoint(self, tokenizer: TokenizerInfo, copy: bool = True) -> Checkpoint:
+        """A checkpoint of this state; ``copy=False`` shares the arrays (see
+        :func:`make_checkpoint`)."""
         return make_checkpoint(self.run.model, tokenizer, self.params, self.optimizer,
-                               self.run.to_dict())
+                               self.run.to_dict(), copy=copy)

@@ -321,6 +321,22 @@ def test_training_steps_reusing_buffers_match_fresh_ones() -> None:
     assert runs[0] == runs[1]
 
 
+def test_a_new_batch_shape_replaces_the_idle_workspace_of_the_old_one() -> None:
+    """A peer whose share of the batch changes must not keep a training workspace for
+    each shape it ever had (each one is tens of MB at the demo default)."""
+    p = init_params(SMALL, 0)
+    model._pool.clear()
+    loss_and_grad(SMALL, p, _batch(SMALL, 4, 16))
+    loss_only(SMALL, p, _batch(SMALL, 4, 16))  # another kind: kept beside it
+    loss_and_grad(SMALL, p, _batch(SMALL, 3, 16))
+    kinds = sorted((w.key[1], w.key[2]) for w in model._pool)
+    assert kinds == [((3, 16), True), ((4, 16), False)]
+    # and the result does not depend on it: the same bits as with a fresh workspace
+    g1 = loss_and_grad(SMALL, p, _batch(SMALL, 4, 16, seed=1))[1]
+    model._pool.clear()
+    assert g1.tobytes() == loss_and_grad(SMALL, p, _batch(SMALL, 4, 16, seed=1))[1].tobytes()
+
+
 def test_out_is_checked() -> None:
     cfg = SMALL
     params = init_params(cfg, 0)

@@ -202,6 +202,33 @@ def test_state_dict_roundtrip_and_validation():
         assert weight_hash(np.zeros(SIZE, np.float32), fresh) == h0
 
 
+def test_state_can_be_handed_over_without_copies_and_stays_exact():
+    """``state_dict(copy=False)`` / ``load_state_dict(copy=False)`` share m and v (the
+    rounds trainer hands states over this way); a read-only array is still copied, since
+    step() writes m and v in place."""
+    cfg = AdamConfig(lr=1e-2, weight_decay=0.01)
+    params, grads = _init(), _grads(3, 6)
+    opt = DaisyAdam(cfg, SIZE)
+    for g in grads[:3]:
+        opt.step(params, g)
+    shared = opt.state_dict(copy=False)
+    assert shared["m"] is opt.m and shared["v"] is opt.v
+    assert opt.state_dict()["m"] is not opt.m
+    other = DaisyAdam(cfg, SIZE)
+    other.load_state_dict(shared, copy=False)
+    assert other.m is opt.m and other.v is opt.v
+    frozen = dict(shared, m=opt.m.copy(), v=opt.v.copy())
+    frozen["m"].setflags(write=False)
+    third = DaisyAdam(cfg, SIZE)
+    third.load_state_dict(frozen, copy=False)
+    assert third.m is not frozen["m"] and third.v is frozen["v"]
+    p2 = params.copy()
+    for g in grads[3:]:
+        third.step(p2, g)  # steps a copy of the read-only m: no error
+        opt.step(params, g)
+    assert weight_hash(p2, third) == weight_hash(params, opt)
+
+
 @pytest.mark.parametrize(
     "kw",
     [dict(lr=0.0), dict(lr=-1.0), dict(lr=float("nan")), dict(lr=1e-3, beta1=1.0),

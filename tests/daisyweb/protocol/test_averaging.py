@@ -1,7 +1,12 @@
 import numpy as np
 import pytest
 
-from daisyweb.protocol.averaging import GradientError, average_in_roster_order, check_gradient
+from daisyweb.protocol.averaging import (
+    GradientError,
+    average_in_roster_order,
+    check_gradient,
+    weighted_average_in_roster_order,
+)
 
 
 def _grads(n: int, size: int = 1000, seed: int = 0) -> list[np.ndarray]:
@@ -64,3 +69,24 @@ def test_check_gradient() -> None:
     bad[3] = np.inf
     with pytest.raises(GradientError, match="2 NaN/Inf"):
         check_gradient(bad, 5)
+
+
+def test_gradients_may_come_one_at_a_time_from_a_generator() -> None:
+    """The step machine decodes each contribution only when it is added (one vector of
+    the roster in memory at a time): the same bits as from a list."""
+    grads = _grads(4)
+    assert (average_in_roster_order(g for g in grads).tobytes()
+            == average_in_roster_order(grads).tobytes())
+    shares = [3, 1, 2, 2]
+    assert (weighted_average_in_roster_order((g for g in grads), shares).tobytes()
+            == weighted_average_in_roster_order(grads, shares).tobytes())
+    assert (weighted_average_in_roster_order((g for g in grads), [2] * 4).tobytes()
+            == average_in_roster_order(grads).tobytes())
+    with pytest.raises(GradientError, match="shares for"):
+        weighted_average_in_roster_order((g for g in grads), [3, 1, 2])
+    with pytest.raises(GradientError, match="shares for"):
+        weighted_average_in_roster_order((g for g in grads), [3, 1, 2, 2, 5])
+    with pytest.raises(GradientError, match="shares for"):
+        weighted_average_in_roster_order((g for g in grads[:3]), [2, 2, 2, 2])
+    with pytest.raises(GradientError):
+        average_in_roster_order(g for g in [])

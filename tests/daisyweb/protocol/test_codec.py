@@ -14,7 +14,9 @@ from daisyweb.protocol.codec import (
     INT8_BLOCK,
     ErrorFeedback,
     ErrorFeedbackEncoder,
+    F32Codec,
     Int8Codec,
+    check_payload,
     codec_by_name,
 )
 
@@ -431,3 +433,67 @@ def test_f32_decode_refuses_wrong_lengths(delta: int) -> None:
     payload = payload[:delta] if delta < 0 else payload + b"\0" * delta
     with pytest.raises(GradientError, match="expected 10 values"):
         F32.decode(payload, 10)
+
+
+def _whole_vector(x: np.ndarray, block: int = B) -> tuple[np.ndarray, np.ndarray]:
+    """The recipe on the whole vector at once (what the codec did before it worked a
+    chunk of blocks at a time): the bytes must not depend on the chunking."""
+    f = np.float32
+    x = np.where(np.abs(x) < np.finfo(f).tiny, f(0.0), x)
+    nb = -(-x.size // block)
+    blocks = np.zeros(nb * block, f)
+    blocks[: x.size] = x
+    blocks = blocks.reshape(nb, block)
+    scales = np.max(np.abs(blocks), axis=1) / f(127.0)
+    scales[scales < np.finfo(f).tiny] = 0.0
+    divisor = np.where(scales == 0, f(1.0), scales)[:, None]
+    q = np.clip(np.floor(blocks / divisor + f(0.5)), f(-127.0), f(127.0))
+    return scales, q.reshape(-1)[: x.size].astype(np.int8)
+
+
+@pytest.mark.parametrize("size", [256 * B, 256 * B + 1, 2 * 256 * B + 3 * B + 17])
+def test_vectors_of_several_chunks_encode_and_decode_as_one_whole_vector(size: int) -> None:
+    x = _vec(size, seed=7)
+    x[B + 3 : 300 * B] = 0.0  # zero blocks across a chunk boundary
+    payload = INT8.encode(x)
+    scales, q = _split(payload, size)
+    ref_scales, ref_q = _whole_vector(x)
+    assert scales.tobytes() == ref_scales.tobytes() and q.tobytes() == ref_q.tobytes()
+    expect = q.astype(np.float32) * np.repeat(scales, B)[:size]
+    assert INT8.decode(payload, size).tobytes() == expect.tobytes()
+
+
+@pytest.mark.parametrize("codec", [INT8, F32], ids=["int8", "f32"])
+def test_check_refuses_exactly_what_decode_refuses(codec: Int8Codec | F32Codec) -> None:
+    """A step machine checks each arriving payload on its bytes (no vector made) and
+    decodes it only to average it: the check must refuse every payload decode refuses,
+    with the same message, and pass every one it accepts."""
+    size = 3 * B + 17
+    good = codec.encode(_vec(size, seed=3))
+    nb = INT8.nblocks(size)
+    bad_payloads = [good[:-1], good + b"\x00"]
+    if codec is INT8:
+        for value in (np.nan, np.inf, -1.0, -0.0, 1e-40, 2.0**121):
+            raw = bytearray(good)
+            raw[4:8] = np.float32(value).astype("<f4").tobytes()
+            bad_payloads.append(bytes(raw))
+        raw = bytearray(good)
+        raw[4 * nb + 5] = 0x80  # -128
+        bad_payloads.append(bytes(raw))
+    else:
+        raw = bytearray(good)
+        raw[8:12] = np.float32(np.nan).astype("<f4").tobytes()
+        bad_payloads.append(bytes(raw))
+    check_payload(codec, good, size, "g")
+    for bad in bad_payloads:
+        with pytest.raises(GradientError) as decoded:
+            codec.decode(bad, size, "g")
+        with pytest.raises(GradientError) as checked:
+            check_payload(codec, bad, size, "g")
+        assert str(checked.value) == str(decoded.value)
+    # a codec without ``check`` is checked by decoding
+    class DecodeOnly:
+        name = "decode-only"
+        decode = staticmethod(codec.decode)
+    with pytest.raises(GradientError):
+        check_payload(DecodeOnly(), bad_payloads[0], size, "g")

@@ -17,6 +17,7 @@ from daisyweb.protocol.framing import (
     Reassembler,
     frame,
     frame_id,
+    iter_frames,
 )
 from daisyweb.protocol.wire import Hello, Snapshot, WireError, decode, encode
 
@@ -293,3 +294,18 @@ def test_reassembly_budget_reserves_declared_sizes_and_frees_them() -> None:
     assert budget.link_budget(1_325_824) == 2 * budget.largest_message(1_325_824)
     with pytest.raises(ValueError):
         budget.largest_message(0)
+
+
+@pytest.mark.parametrize("size", [1, 65535, 65536, 65537, 3 * CHUNK + 5, 2_000_003])
+def test_a_message_sent_as_parts_is_framed_as_its_concatenation(size: int) -> None:
+    """A snapshot's payload is framed from its own buffer (``wire.encode_parts``): the
+    frames must be exactly those of the whole encoded message, which is never built."""
+    msg = wire.Snapshot(3, "ab" * 32, bytes(range(256)) * (size // 256) + b"x" * (size % 256))
+    parts = wire.encode_parts(msg)
+    whole = wire.encode(msg)
+    assert b"".join(bytes(p) for p in parts) == whole
+    assert len(parts) == (2 if size >= 65536 else 1)
+    frames = list(iter_frames(parts, 9))
+    assert frames == frame(whole, 9)
+    r = Reassembler()
+    assert [r.feed(f) for f in frames][-1] == whole

@@ -121,6 +121,33 @@ def test_backup_restore_rolls_back_a_committed_round() -> None:
     assert t.step == 1
 
 
+def test_a_rollback_after_the_next_round_is_staged_restores_and_recommits_exactly() -> None:
+    """Backups share the anchor instead of copying it and keep no moments: a rollback must
+    still give back the exact shared state before the commit, and the recommit the exact
+    state after it, moments included."""
+    t = RoundTrainer(TrainState.fresh(_run(12, 4)), 4)
+    c0 = t.contribute(0, _batches("a"))
+    t.stage(c0)
+    t.apply(c0.vector)
+    c1 = t.contribute(1, _batches("a"))
+    t.stage(c1)
+    token = t.backup()
+    before = (t.state.params.copy(), t.state.step, t.weight_hash())
+    t.apply(c1.vector)
+    after = (t.state.params.copy(), t.state.optimizer.m.copy(), t.weight_hash())
+    c2 = t.contribute(2, _batches("a"))  # the next round, computed and staged meanwhile
+    t.stage(c2)
+    t.restore(token)  # round 1's roster was amended
+    assert t.step == 1 and t.state.step == before[1] and t.weight_hash() == before[2]
+    assert np.array_equal(t.state.params, before[0])
+    t.apply(c1.vector)
+    assert t.weight_hash() == after[2]
+    assert np.array_equal(t.state.params, after[0])
+    assert np.array_equal(t.state.optimizer.m, after[1])
+    assert np.array_equal(t.state.optimizer.m, c1.inner["m"])
+    assert np.array_equal(t.state.optimizer.v, c1.inner["v"])
+
+
 def test_rounds_before_counts_whole_windows_and_the_short_last_round() -> None:
     assert [rounds_before(s, 10, 4) for s in (0, 4, 8, 10)] == [0, 1, 2, 3]
     assert rounds_before(5, 5, 2) == 3  # a finished run: its short last round counts
@@ -230,8 +257,11 @@ def test_a_head_start_is_k_steps_from_the_own_weights_moved_onto_the_anchor(k: i
     for p, t in trainers.items():
         head = heads[p]
         assert head is not None and head.index == 1 and head.steps == k
-        assert np.array_equal(head.base, previous[p].local)
         c = t.contribute(1, _batches(p), head)
+        # Its arrays were taken over, not copied; a second use is refused.
+        assert head.progress is None and head.inner is None
+        with pytest.raises(ValueError, match="already used"):
+            t.contribute(1, _batches(p), head)
         delta, inner = _reference_round(run, t.state.params, previous[p].inner,
                                         previous[p].local, 1, k, p)
         assert np.array_equal(c.vector, delta)
