@@ -9,8 +9,7 @@ Failures
 --------
 - Repair: a member missing a roster gradient ``repair_after`` seconds after it sent its
   own asks the leader (``RepairRequest``). The leader keeps the raw payloads of the last
-  two committed steps and the one in flight (``StepLedger.forget_before``: nobody can
-  ask for older ones) and resends them bit-exact (a ``Gradient`` whose ``sender`` is the
+  ``history`` steps and resends them bit-exact (a ``Gradient`` whose ``sender`` is the
   original sender, relayed by the leader -- the only relay accepted). A leader missing
   a live member's gradient asks that member, which resends its own.
 - Amendment: if the leader lacks the gradient too and its sender is down, it re-issues

@@ -54,8 +54,8 @@ class StepLedger:
                                   self.committed_shares.get(b - 1, ()))
 
     def forget_before(self, step: int, history: int, keep_grads: bool) -> None:
-        """After committing ``step``: keep ``history`` steps of rosters; gradients only of
-        the steps a rollback or a repair can still need."""
+        """After committing ``step``: keep ``history`` steps of rosters and gradients
+        (``keep_grads``: the leader resends them) and the rest only for a rollback."""
         for old in [k for k in self.committed if k < step - history]:
             del self.committed[old]
             self.committed_shares.pop(old, None)
@@ -63,13 +63,8 @@ class StepLedger:
             del self.steps[old]
         for key in [k for k in self.rosters_seen if k[1] < step]:
             del self.rosters_seen[key]
-        # Every member keeps the committed step's gradients (a rollback recommits it) and
-        # the current step's. The leader (``keep_grads``, it resends them) keeps one step
-        # more. A repair asks for the asker's boundary, which is never behind ``step``:
-        # the leader committed ``step`` with each member's gradient of it, sent from that
-        # boundary. Older payloads (a leader kept 8 steps' of every member: at the demo
-        # default about 40 MB in rounds, 170 MB in lockstep f32) would never be asked for.
-        first = step - 1 if keep_grads else step
-        for k, s in self.steps.items():
-            if k < first:
-                s.grads = {}
+        if not keep_grads:
+            # Followers never resend; keep only the step for a possible rollback.
+            for k, s in self.steps.items():
+                if k < step:
+                    s.grads = {}

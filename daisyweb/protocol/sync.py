@@ -88,7 +88,7 @@ __all__ = [
     "successor",
 ]
 
-HISTORY = 8  # steps of rosters kept (gradients: see StepLedger.forget_before)
+HISTORY = 8  # steps of gradients the leader keeps for repair
 ROSTER_WINDOW = 2  # rosters kept this many steps past our boundary (a new leader's)
 
 
