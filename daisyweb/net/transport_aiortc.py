@@ -11,6 +11,12 @@ puts the original back.
 :func:`rtc_configuration` builds an ``RTCConfiguration`` with an explicit (by
 default empty) ``iceServers`` list, so aiortc never falls back to its default
 public STUN server.
+
+:func:`enlarge_socket_buffers` raises the receive buffer aioice gives each UDP socket
+(its ``turn.UDP_SOCKET_BUFFER_SIZE``, 256 KiB, used for host and TURN sockets alike) to
+hold aiortc's whole SCTP window (1 MiB of data in flight). With 256 KiB a peer whose
+one core is busy computing drops datagrams at its own socket, and each loss costs an
+SCTP retransmission (``RcvbufErrors`` in ``/proc/net/snmp``).
 """
 
 from __future__ import annotations
@@ -20,6 +26,7 @@ from collections.abc import Iterable
 from typing import Any
 
 import aioice.ice
+import aioice.turn
 from aiortc import (
     RTCConfiguration,
     RTCIceServer,
@@ -30,10 +37,15 @@ from aiortc import (
 
 from daisyweb.net.ice import ENV_VAR, IceServer, IceSettings, hosts_from_env
 
-__all__ = ["TRANSPORT", "restrict_host_candidates", "unrestrict", "rtc_configuration"]
+__all__ = ["SOCKET_BUFFER_BYTES", "TRANSPORT", "enlarge_socket_buffers",
+           "restrict_host_candidates", "unrestrict", "rtc_configuration"]
 
 _original = aioice.ice.get_host_addresses
 _allowed: list[str] | None = None
+
+# aiortc advertises a 1 MiB receive window and the kernel charges each ~1.2 KB datagram
+# about twice its size: 4 MiB holds a full window (Linux caps it at net.core.rmem_max).
+SOCKET_BUFFER_BYTES = 4 << 20
 
 
 def _restricted_get_host_addresses(use_ipv4: bool, use_ipv6: bool) -> list[str]:
@@ -69,6 +81,13 @@ def unrestrict() -> None:
     aioice.ice.get_host_addresses = _original
 
 
+def enlarge_socket_buffers() -> None:
+    """Every UDP socket aioice opens from now on asks for :data:`SOCKET_BUFFER_BYTES` of
+    receive buffer (process-wide, idempotent; aioice reads the value at each bind)."""
+    aioice.turn.UDP_SOCKET_BUFFER_SIZE = max(aioice.turn.UDP_SOCKET_BUFFER_SIZE,
+                                             SOCKET_BUFFER_BYTES)
+
+
 def _server(s: IceServer) -> RTCIceServer:
     return RTCIceServer(s.url, username=s.username, credential=s.credential)
 
@@ -85,6 +104,7 @@ class AiortcTransport:
     name = "aiortc"
 
     def prepare(self, settings: IceSettings) -> None:
+        enlarge_socket_buffers()
         if settings.hosts:
             restrict_host_candidates(settings.hosts)
 
@@ -97,3 +117,4 @@ class AiortcTransport:
 
 
 TRANSPORT = AiortcTransport()
+

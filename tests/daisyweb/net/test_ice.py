@@ -89,3 +89,32 @@ def test_ice_server_urls_are_checked() -> None:
                       ("http://x", True), ("stun:x?transport=udp", False), ("turn:", True)):
         with pytest.raises(ValueError):
             ice.parse_server_url(url, turn=turn)
+
+
+async def test_prepare_gives_udp_sockets_a_receive_buffer_for_a_whole_sctp_window(
+        monkeypatch) -> None:
+    # aioice's own 256 KiB overflows while a one-core peer computes (RcvbufErrors).
+    import socket
+    from pathlib import Path
+
+    import aioice.turn
+
+    rmem_max = int(Path("/proc/sys/net/core/rmem_max").read_text())
+    if rmem_max <= aioice.turn.UDP_SOCKET_BUFFER_SIZE:
+        pytest.skip(f"net.core.rmem_max is {rmem_max}: no larger buffer can be granted")
+    monkeypatch.setattr(aioice.turn, "UDP_SOCKET_BUFFER_SIZE", 256 * 1024)  # aioice's
+    ice_aiortc.TRANSPORT.prepare(ice.IceSettings(hosts=("127.0.0.1",)))
+    pc = ice_aiortc.TRANSPORT.peer_connection(ice.IceSettings(hosts=("127.0.0.1",)))
+    try:
+        pc.createDataChannel("x")
+        await pc.setLocalDescription(await pc.createOffer())
+        # aioice keeps the gathered sockets on its connection (no public accessor)
+        connection = pc.sctp.transport.transport.iceGatherer._connection
+        sockets = [p.transport.get_extra_info("socket") for p in connection._protocols]
+        assert sockets
+        granted = min(ice_aiortc.SOCKET_BUFFER_BYTES, rmem_max) * 2  # Linux doubles it
+        for sock in sockets:
+            assert sock.getsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF) >= granted
+    finally:
+        await pc.close()
+        ice_aiortc.unrestrict()
