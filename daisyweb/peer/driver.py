@@ -50,6 +50,7 @@ from daisyweb.peer.items import (
     Tick,
     is_hello,
 )
+from daisyweb.peer.memory import keep_step_buffers
 from daisyweb.peer.options import PeerError, PeerOptions, log, mesh_transport_options
 from daisyweb.peer.report import Report
 from daisyweb.protocol import budget, sync, wire
@@ -262,6 +263,7 @@ class Driver:
     def _make_replica(self, state: TrainState) -> None:
         largest = budget.largest_message(state.size)  # the run is known: bound every link
         self.mesh.limit_messages(largest, budget.link_budget(state.size))
+        keep_step_buffers(state.size)  # the step's temporaries stay on the heap
         self.trainer = make_trainer(state)
         self.replica = Replica(self.trainer, self.faults)
         self.encoder = RecordingEncoder(state.run.codec, state.size)
