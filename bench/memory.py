@@ -24,6 +24,7 @@ from pathlib import Path
 
 from bench._netns import run_isolated
 from bench._results import machine, write_section
+from daisyweb.rules import DEFAULTS
 
 TRANSPORTS = ("aiortc", "libwebrtc")
 MB = 1e6
@@ -129,7 +130,8 @@ def main() -> None:
         f"load average {load[0]:.1f} at the start.",
         "",
         f"VmHWM of each peer process over a whole run of {args.steps} steps at the demo "
-        "default (1,325,824 parameters, rounds of 32 steps, int8), BLAS at one thread, "
+        f"default (1,325,824 parameters, rounds of {DEFAULTS['sync_every']} steps, "
+        f"{DEFAULTS['codec']}), BLAS at one thread, "
         "each scenario in its own loopback-only network namespace; a joiner arrives "
         "after a third of the steps, so the leader's figure includes sending it a "
         "snapshot and the joiner's includes receiving one.",
