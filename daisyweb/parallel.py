@@ -3,8 +3,10 @@
 The model splits every batch into two fixed halves (by the batch size alone) and the
 optimizer its buffer into two fixed ranges. With one core allowed the halves run one
 after the other; with two, the second runs on one helper thread while the caller runs
-the first. Either way each half computes the same operations on the same data, so the
-result is the same bytes whatever the core count.
+the first, the helper kept on one CPU of the process's set and the caller held on another
+while the halves run (Linux otherwise woke both on one CPU after they slept). Either way
+each half computes the same operations on the same data, so the result is the same bytes
+whatever the core count.
 
 The core count comes from ``DAISYWEB_THREADS``, else ``OPENBLAS_NUM_THREADS``, else
 ``OMP_NUM_THREADS``, else the CPUs this process may use, capped at 2; ``set_cores``
