@@ -13,8 +13,9 @@ A fixed threshold of 256 KiB cost speed, though: a training step's own temporari
 and unmapped again every step, ~28,000 page faults a second and 7% of a one-core peer in
 the kernel (group tokens/s 10% lower, ``bench.scaling``). So once the run is known,
 :func:`keep_step_buffers` raises the threshold to just below one parameter vector:
-whatever is smaller than that comes from the heap and is reused step after step, and
-the vectors, payloads of several of them and messages still go back when freed.
+whatever is smaller than that comes from the heap and is reused step after step (int8
+payloads too, a quarter of a vector), while vectors and anything bigger (float32
+payloads, snapshots) still go back to the system when freed.
 """
 
 from __future__ import annotations
