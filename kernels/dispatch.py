@@ -172,14 +172,22 @@ def int8_matmul(x: Array, w: Array, out: Array | None = None) -> Array:
     w = check_array("w", w, np.float32)
     if x.shape[1] != w.shape[0]:
         raise ValueError(f"inner dimensions differ: x is {x.shape}, w is {w.shape}")
+    qa, sa, bufs = _quantized_x(x, w, out)
+    qb, sb = quantize_values(w, 0, "w", out=None if bufs is None else bufs[1])
+    return _product(qa, qb, sa, sb, out)
+
+
+def _quantized_x(x: Array, w: Array, out: Array | None
+                 ) -> tuple[Array, Array, tuple[Array, Array] | None]:
+    """What every product does first, once the shapes fit: check K and ``out``, take the
+    backend's operand buffers (or None) and quantize ``x``'s rows into the first one."""
     (m, k), n = x.shape, w.shape[1]
     check_k(k)
     if out is not None:
         _check_out(out, m, n, x, w)
     bufs = get_backend(active_backend()).operand_buffers(m, k, n)
     qa, sa = quantize_values(x, 1, "x", out=None if bufs is None else bufs[0])
-    qb, sb = quantize_values(w, 0, "w", out=None if bufs is None else bufs[1])
-    return _product(qa, qb, sa, sb, out)
+    return qa, sa, bufs
 
 
 def _product(qa: Array, qb: Array, sa: Array, sb: Array, out: Array | None) -> Array:
@@ -224,12 +232,7 @@ def int8_matmul_prepared(x: Array, q_w: Array, s_w: Array, out: Array | None = N
     if x.shape[1] != q_w.shape[0] or s_w.shape != (q_w.shape[1],):
         raise ValueError(f"shapes do not fit: x is {x.shape}, q_w is {q_w.shape}, "
                          f"s_w is {s_w.shape}")
-    (m, k), n = x.shape, q_w.shape[1]
-    check_k(k)
-    if out is not None:
-        _check_out(out, m, n, x, q_w)
-    bufs = get_backend(active_backend()).operand_buffers(m, k, n)
-    qa, sa = quantize_values(x, 1, "x", out=None if bufs is None else bufs[0])
+    qa, sa, bufs = _quantized_x(x, q_w, out)
     if bufs is None:
         qb = q_w.astype(np.float32)
     else:
