@@ -25,15 +25,22 @@ import statistics
 import subprocess
 import sys
 import tempfile
+from collections.abc import Iterator
 from dataclasses import asdict
 from pathlib import Path
+
+import numpy as np
 
 from bench._group import ENV, peer_command, records, run_pinned, signaling_server
 from bench._results import machine, write_section
 from bench.rounds_sim import SimResult, simulate
 from daisyweb.checkpoints.checkpoint import load_checkpoint
+from daisyweb.model import init_params
 from daisyweb.rules import DEFAULTS
+from daisyweb.training.config import RunConfig
 from daisyweb.training.evaluate import DEFAULT_BATCHES, heldout_batches, heldout_loss
+from daisyweb.training.replay import round_anchors
+from daisyweb.training.rounds import shared_hash
 
 ROOT = Path(__file__).resolve().parent.parent
 STEP_TOKENS = int(DEFAULTS["batch"]) * int(DEFAULTS["seq"])  # one peer's tokens per step
@@ -64,8 +71,10 @@ def one_peer(steps: int, tmp: Path, tag: str = "solo") -> dict:
 
 
 def two_peers(steps: int, sync_every: int, codec: str, tmp: Path, tag: str,
-              extra: tuple[str, ...] = (), overlap: int = 0) -> dict:
+              extra: tuple[str, ...] = (), overlap: int = 0,
+              env: dict[str, str] | None = None) -> dict:
     """Two peers pinned to cores 0 and 1 over aiortc on loopback; the leader's records."""
+    env = env or ENV
     metrics, ckpt = tmp / f"{tag}.jsonl", tmp / f"{tag}.pt"
     follower_metrics = tmp / f"{tag}-follower.jsonl"
     with signaling_server(tmp) as url:
@@ -74,7 +83,7 @@ def two_peers(steps: int, sync_every: int, codec: str, tmp: Path, tag: str,
                        "--sync-every", str(sync_every), "--codec", codec,
                        "--overlap", str(overlap),
                        "--metrics", str(metrics), "--save", str(ckpt), *extra]
-        run_pinned([(lead, ENV), (base + ["--metrics", str(follower_metrics)], ENV)], tmp, tag)
+        run_pinned([(lead, env), (base + ["--metrics", str(follower_metrics)], env)], tmp, tag)
     recs = [r for r in records(metrics) if "round" in r]
     # The first exchange includes the links' warm-up; it is dropped from the rates.
     steady = recs[1:]
@@ -115,33 +124,65 @@ def throughput(label: str, h: int, codec: str, overlap: int, min_steps: int, exc
 
 
 def reach_trial(index: int, solo_steps: int, reach_steps: int, tmp: Path) -> dict:
-    """One peer trains ``solo_steps``; then two peers in the default mode, the leader
-    evaluating at every boundary, train ``reach_steps`` each. The group's time to one
-    peer's held-out loss is the sum of its rounds' wall times up to the first boundary
-    at or below it (``main`` divides it by one peer's median time).
+    """One peer trains ``solo_steps``; then two peers in the default mode train
+    ``reach_steps`` each. The group's time to one peer's held-out loss is the sum of its
+    rounds' wall times up to the first boundary at or below it (``main`` divides it by
+    one peer's median time).
 
-    A round's ``wall_s`` runs from its computation being started to its commit, and the
-    leader evaluates inside the commit, before the next round is started: the
-    evaluations are outside every round's wall time already. (Until 2026-12-05 they were
-    subtracted a second time, which made the group look about 20% faster than it is.)
-    What stays in is the evaluation's pull on the core while the head start of the next
-    round computes beside it, about 5% of a round: the ratio errs against the group."""
+    The boundaries are evaluated afterwards, not during the run: each peer writes the
+    round contributions it decoded (the replay oracle's input,
+    ``DAISYWEB_TEST_DUMP_GRADS``), and the shared weights of every boundary are rebuilt
+    from them (``replay.round_anchors``), each checked against the hash the group
+    published for it. A leader evaluating at every boundary (``--eval-every``) shares
+    its one core with the next round's head start and slowed the group by about 5%.
+    (Until 2026-12-05 this subtracted the evaluations' seconds from rounds whose wall
+    time already left them out: about 20% too flattering.)"""
     solo = one_peer(solo_steps, tmp, f"solo{index}")
     target = held_out(solo["ckpt"])
     h, overlap = int(DEFAULTS["sync_every"]), int(DEFAULTS["overlap"])
+    dumps = tmp / f"reach{index}-rounds"
+    dumps.mkdir()
     group = two_peers(reach_steps, h, str(DEFAULTS["codec"]), tmp, f"reach{index}",
-                      ("--eval-every", str(h)), overlap=overlap)
+                      overlap=overlap, env=dict(ENV, DAISYWEB_TEST_DUMP_GRADS=str(dumps)))
+    losses = boundary_losses(group["records"], group["ckpt"], dumps)
     reach_s, reach_at, reach_loss, elapsed = None, None, math.inf, 0.0
-    for r in group["records"]:
+    for r, loss in zip(group["records"], losses, strict=True):
         elapsed += r["wall_s"]
-        if "heldout_loss" in r and r["heldout_loss"] <= target and reach_s is None:
-            reach_s, reach_at, reach_loss = elapsed, r["step"], r["heldout_loss"]
-    curve = [(r["step"], round(r["heldout_loss"], 3)) for r in group["records"]
-             if "heldout_loss" in r]
+        if loss <= target and reach_s is None:
+            reach_s, reach_at, reach_loss = elapsed, r["step"], loss
+    curve = [(r["step"], round(loss, 3)) for r, loss in zip(group["records"], losses,
+                                                             strict=True)]
     print(f"trial {index}: one peer {target:.3f} in {solo['train_s']:.1f} s; two peers "
           f"{curve}; reached at {reach_at} in {reach_s} s", flush=True)
     return {"solo": solo, "target": target, "curve": curve, "reach_s": reach_s,
             "reach_at": reach_at, "reach_loss": reach_loss}
+
+
+def boundary_losses(recs: list[dict], ckpt_path: Path, dumps: Path) -> list[float]:
+    """Held-out loss of the shared weights after each of the leader's records' rounds,
+    rebuilt from the peers' dumped contributions; SystemExit if a rebuilt boundary's
+    hash is not the one the group published."""
+    ckpt = load_checkpoint(ckpt_path)
+    run = RunConfig.from_checkpoint(ckpt)
+    batches = heldout_batches(run.model.seq)
+
+    def contributions() -> Iterator[tuple[list[str], dict[str, np.ndarray]]]:
+        for r in recs:
+            roster = list(r["roster"])
+            if len(set(r.get("shares") or [0])) > 1:
+                raise SystemExit(f"round {r['round']}: unequal shares {r['shares']}")
+            yield roster, {p: np.load(dumps / f"{p}-{r['round'] - 1}.npy") for p in roster}
+
+    losses = []
+    anchors = round_anchors(init_params(run.model, run.seed), contributions(),
+                            sync_every=run.sync_every, total_steps=run.steps,
+                            outer_lr=run.outer_lr)
+    for r, (rounds, inner, anchor) in zip(recs, anchors, strict=True):
+        if shared_hash(anchor, rounds, inner) != r["weight_hash"]:
+            raise SystemExit(f"round {r['round']}: the rebuilt shared weights do not "
+                             "hash to what the group published")
+        losses.append(heldout_loss(run.model, anchor, batches))
+    return losses
 
 
 def _exchange_split(lead: list[dict], follow: list[dict]) -> dict[str, float]:
@@ -296,10 +337,11 @@ def main() -> None:
         f"**Time to one peer's {solo_steps}-step held-out loss**, {len(trials)} paired "
         "runs (each peer's batches are keyed by its random id, so both sides move from run "
         f"to run): one peer trains {solo_steps} steps; then two peers in the default mode, "
-        f"the leader evaluating at every boundary (`--eval-every "
-        f"{DEFAULTS['sync_every']}`), time the sum of their rounds' wall times (from a "
-        "round's start to its commit; the evaluation happens between rounds) up "
-        "to the first boundary at or below that run's one-peer loss. Held-out: "
+        "time the sum of their rounds' wall times (from a round's start to its commit) "
+        "up to the first boundary at or below that run's one-peer loss. Every boundary is "
+        "evaluated afterwards: its shared weights rebuilt from the contributions the peers "
+        "decoded (written by each peer, `DAISYWEB_TEST_DUMP_GRADS`) and checked against "
+        "the hash the group published, so no evaluation slows the run. Held-out: "
         f"`daisyweb-eval`'s {DEFAULT_BATCHES} fixed batches of the last 5% of the built-in "
         f"corpus. Ratios over the median one-peer time ({solo_s:.1f} s); median ratio: "
         f"**{median_ratio:.2f}x** one peer's time.",

@@ -10,7 +10,7 @@ rounds (``--sync-every H``), fed the decoded round deltas.
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterable, Iterator, Mapping, Sequence
 from typing import Any
 
 import numpy as np
@@ -23,7 +23,7 @@ from daisyweb.protocol.averaging import (
 )
 from daisyweb.training.rounds import outer_step, round_length, shared_hash
 
-__all__ = ["replay", "replay_hashes", "replay_rounds"]
+__all__ = ["replay", "replay_hashes", "replay_rounds", "round_anchors"]
 
 # (roster, contributions by member) or, for capacity-weighted batches,
 # (roster, contributions, sequences per roster member)
@@ -94,12 +94,27 @@ def replay_rounds(
     moments are local to each member and do not enter the shared state, so the round
     deltas alone determine it.
     """
+    return [shared_hash(anchor, r, inner) for r, inner, anchor in round_anchors(
+        initial_params, rounds, sync_every=sync_every, total_steps=total_steps,
+        outer_lr=outer_lr, first_round=first_round)]
+
+
+def round_anchors(
+    initial_params: np.ndarray,
+    rounds: Iterable[StepSpec],
+    *,
+    sync_every: int,
+    total_steps: int,
+    outer_lr: float = 1.0,
+    first_round: int = 0,
+) -> Iterator[tuple[int, int, np.ndarray]]:
+    """``(rounds done, inner steps done, shared weights)`` after every round of
+    :func:`replay_rounds` (a new array each time), ``rounds`` read one at a time: what a
+    benchmark evaluates offline at each boundary instead of stopping the run to."""
     anchor = np.array(initial_params, dtype=np.float32, copy=True)
     inner = first_round * sync_every
-    out: list[str] = []
     for i, spec in enumerate(rounds):
         r = first_round + i
         anchor = outer_step(anchor, _combine(spec, anchor.size, f"round {r}"), outer_lr)
         inner += round_length(r, total_steps, sync_every)
-        out.append(shared_hash(anchor, r + 1, inner))
-    return out
+        yield r + 1, inner, anchor
