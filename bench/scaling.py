@@ -1,15 +1,16 @@
 """A group against one machine: real pinned processes, equal-token losses, a projection.
 
-    python -m bench.scaling            # the full run (about 15 minutes on 2 cores)
+    python -m bench.scaling            # the full run (about 20 minutes on 2 cores)
     python -m bench.scaling --quick    # smoke run, nothing written
 
 1. **Real processes on 127.0.0.1.** One peer alone (``daisyweb-demo --peers 1``) pinned to
    core 0, against two ``daisyweb-peer`` processes pinned to cores 0 and 1 (``taskset``),
    one BLAS thread each, same per-peer batch, a signaling server on loopback. For each
    exchange mode: the group's tokens/s over one peer's, communication share, payload
-   bytes sent per peer per 1,000 trained tokens. Then the default mode trains just long
-   enough to pass one peer's 300-step held-out loss, and both checkpoints are evaluated
-   on the held-out split (``daisyweb.training.evaluate``): the wall-time ratio.
+   bytes sent per peer per 1,000 trained tokens. Then the default mode trains past one
+   peer's 300-step held-out loss; every boundary's shared weights are rebuilt afterwards
+   from the contributions the peers decoded and evaluated on the held-out split
+   (``daisyweb.training.evaluate``): the wall-time ratio to the first one at or below it.
 2. **Held-out loss at equal tokens** for every mode, from ``bench.rounds_sim`` (the
    product's own trainers, codecs and averaging in one process, no network).
 3. **A projection** for 2-16 separate machines on 5/25/100 MB/s links, computed from the
