@@ -59,7 +59,7 @@ DEFAULTS: MappingProxyType[str, int | float | str] = MappingProxyType({
 })
 # What a run without these settings (an older checkpoint) was: lockstep, float32.
 LOCKSTEP = MappingProxyType({"sync_every": 1, "codec": "f32", "outer_lr": 1.0, "overlap": 0})
-CODEC_NAMES = ("f32", "int8")
+CODEC_NAMES = ("f32", "int8", "int4")
 MAX_SYNC_EVERY = 1 << 20
 
 MAX_DIM = 1 << 31  # every model dimension and the batch size

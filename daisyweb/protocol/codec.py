@@ -7,9 +7,11 @@ a bad raw gradient does.
 
 ``int8`` (:class:`Int8Codec`) is blockwise absmax int8 with float32 scales on the wire;
 its quantization is a fixed sequence of elementwise IEEE float32 operations, so every
-machine turns one vector into the same bytes and one payload into the same vector. The
-sender keeps its quantization error and adds it to its next contribution
-(:class:`ErrorFeedback`).
+machine turns one vector into the same bytes and one payload into the same vector.
+``int4`` (:class:`Int4Codec`) is the same recipe with 4-bit values (two to a byte) in
+smaller blocks: 0.56 bytes a value instead of 1.02. The sender keeps its quantization
+error and adds it to its next contribution (:class:`ErrorFeedback`), which is what lets
+a round delta lose so many bits and the run train as well (``docs/limits.md``, 2).
 """
 
 from __future__ import annotations
@@ -20,7 +22,8 @@ import numpy as np
 
 from daisyweb.protocol.averaging import GradientError, check_gradient
 
-__all__ = ["Codec", "F32Codec", "F32", "Int8Codec", "INT8", "ErrorFeedback",
+__all__ = ["Codec", "F32Codec", "F32", "Int8Codec", "INT8", "Int4Codec", "INT4",
+           "ErrorFeedback",
            "ErrorFeedbackEncoder", "check_payload", "codec_by_name", "CODECS"]
 
 _F32 = np.float32
@@ -68,7 +71,6 @@ INT8_BLOCK = 256
 
 _TINY = _F32(np.finfo(np.float32).tiny)  # 2**-126, the smallest normal float32
 _MAX_SCALE = _F32(2.0**120)  # 127 * _MAX_SCALE < 2**127: a decoded value is always finite
-_127 = _F32(127.0)
 _HALF = _F32(0.5)
 _CHUNK_BLOCKS = 256  # blocks per chunk of encoding and decoding work (256 KiB of float32)
 
@@ -81,32 +83,40 @@ class Int8Codec:
         [scale float32 x nblocks][q int8 x size]      nblocks = ceil(size / block)
 
     Block ``b`` holds values ``b*block .. min((b+1)*block, size) - 1`` (the last block may
-    be shorter). Encoding, all elementwise float32:
+    be shorter). Encoding, all elementwise float32 (``L = 127``, :attr:`levels`):
 
     - values whose magnitude is below 2**-126 (subnormals) count as 0, so flush-to-zero
       hardware gives the same bytes;
     - ``m = max|x|`` over the block (a max is exact in any order);
-    - ``scale = f32(m / 127)``; a scale below 2**-126 becomes 0 (a zero block);
-    - ``q = clamp(floor(x / scale + 0.5), -127, 127)``; a zero block divides by 1 instead
-      (its values are all below 127 * 2**-126, so q = 0) and never computes 0/0.
+    - ``scale = f32(m / L)``; a scale below 2**-126 becomes 0 (a zero block);
+    - ``q = clamp(floor(x / scale + 0.5), -L, L)``; a zero block divides by 1 instead
+      (its values are all below L * 2**-126, so q = 0) and never computes 0/0.
 
-    Decoding is ``f32(q) * scale``. ``-128`` is never produced and is refused, as are
-    scales that are NaN/Inf, negative (``-0.0`` included), subnormal or above 2**120,
-    so every decoded value is a finite float32.
+    Decoding is ``f32(q) * scale``. ``-(L + 1)`` (-128) is never produced and is refused,
+    as are scales that are NaN/Inf, negative (``-0.0`` included), subnormal or above
+    2**120, so every decoded value is a finite float32.
     """
 
     name = "int8"
+    levels = 127  # the largest |q|
+    default_block = INT8_BLOCK
 
-    def __init__(self, block: int = INT8_BLOCK) -> None:
-        if not isinstance(block, int) or block < 1:
-            raise ValueError(f"int8 block must be a positive integer, got {block!r}")
+    def __init__(self, block: int | None = None) -> None:
+        block = self.default_block if block is None else block
+        if not isinstance(block, int) or isinstance(block, bool) or block < 1:
+            raise ValueError(f"{self.name} block must be a positive integer, got {block!r}")
         self.block = block
+        self._levels = _F32(self.levels)
 
     def nblocks(self, size: int) -> int:
         return -(-size // self.block)
 
+    def values_size(self, size: int) -> int:
+        """Bytes of the values part of a payload of ``size`` values."""
+        return size
+
     def payload_size(self, size: int) -> int:
-        return 4 * self.nblocks(size) + size
+        return 4 * self.nblocks(size) + self.values_size(size)
 
     def _blocks(self, flat: np.ndarray) -> np.ndarray:
         """``flat`` zero-padded to whole blocks, shape [nblocks, block]."""
@@ -132,27 +142,39 @@ class Int8Codec:
             scales[first : first + s.size] = s
             q[start:stop] = qc
         if np.any(scales > _MAX_SCALE):
-            raise GradientError(f"{who}: values above {float(_MAX_SCALE) * 127:.3g} "
-                                "cannot be sent as int8")
+            raise GradientError(f"{who}: values above {float(_MAX_SCALE) * self.levels:.3g} "
+                                f"cannot be sent as {self.name}")
         return scales.astype("<f4"), q
 
     def _quantize_blocks(self, x: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-        """Scales and int8 values of ``x``, whole blocks (the last one may be short)."""
+        """Scales and integer values of ``x``, whole blocks (the last one may be short)."""
         x = np.where(np.abs(x) < _TINY, _F32(0.0), x)  # no subnormal reaches the arithmetic
         blocks = self._blocks(x)
         m = np.max(np.abs(blocks), axis=1) if blocks.size else np.zeros(0, np.float32)
-        scales = m / _127
+        scales = m / self._levels
         scales[scales < _TINY] = 0.0
         zero = scales == 0
         divisor = np.where(zero, _F32(1.0), scales)[:, None]
         q = np.floor(blocks / divisor + _HALF)
-        # |x / scale| <= 127 * (1 + 2**-23), so the clamp never binds; it states the range.
-        np.clip(q, _F32(-127.0), _127, out=q)
+        # |x / scale| <= L * (1 + 2**-23), so the clamp never binds; it states the range.
+        np.clip(q, -self._levels, self._levels, out=q)
         return scales, q.reshape(-1)[: x.size].astype(np.int8)
+
+    def _pack(self, q: np.ndarray) -> bytes:
+        """The values part of the payload."""
+        return q.tobytes()
+
+    def _unpack(self, raw: memoryview, size: int, who: str) -> np.ndarray:
+        """The values part as int8 [size], refusing the reserved value."""
+        q = np.frombuffer(raw, dtype=np.int8, count=size)
+        bad = int(np.count_nonzero(q == -128))
+        if bad:
+            raise GradientError(f"{who}: {bad} int8 values are -128 (reserved)")
+        return q
 
     def encode(self, vector: np.ndarray) -> bytes:
         scales, q = self.quantize(vector)
-        return scales.tobytes() + q.tobytes()
+        return scales.tobytes() + self._pack(q)
 
     def decode(self, payload: bytes, size: int, who: str = "payload") -> np.ndarray:
         scales, q = self._checked(payload, size, who)
@@ -175,34 +197,75 @@ class Int8Codec:
         self._checked(payload, size, who)
 
     def _checked(self, payload: bytes, size: int, who: str) -> tuple[np.ndarray, np.ndarray]:
-        """The payload's scales (float32) and int8 values, validated."""
+        """The payload's scales (float32) and integer values (int8), validated."""
         nb = self.nblocks(size)
-        want = 4 * nb + size
+        want = self.payload_size(size)
         if len(payload) != want:
-            raise GradientError(f"{who}: expected {want} bytes of int8 payload for {size} "
-                                f"values ({nb} scales), got {len(payload)} bytes")
+            raise GradientError(f"{who}: expected {want} bytes of {self.name} payload for "
+                                f"{size} values ({nb} scales), got {len(payload)} bytes")
         scales = np.frombuffer(payload, dtype="<f4", count=nb).astype(np.float32)
-        q = np.frombuffer(payload, dtype=np.int8, offset=4 * nb, count=size)
         bad = int(np.count_nonzero(~np.isfinite(scales)))
         if bad:
-            raise GradientError(f"{who}: {bad} NaN/Inf int8 scales")
+            raise GradientError(f"{who}: {bad} NaN/Inf {self.name} scales")
         bad = int(np.count_nonzero(np.signbit(scales)))
         if bad:
-            raise GradientError(f"{who}: {bad} negative int8 scales")
+            raise GradientError(f"{who}: {bad} negative {self.name} scales")
         bad = int(np.count_nonzero((scales != 0) & (scales < _TINY)))
         if bad:
-            raise GradientError(f"{who}: {bad} subnormal int8 scales")
+            raise GradientError(f"{who}: {bad} subnormal {self.name} scales")
         bad = int(np.count_nonzero(scales > _MAX_SCALE))
         if bad:
-            raise GradientError(f"{who}: {bad} int8 scales above 2**120")
-        bad = int(np.count_nonzero(q == -128))
-        if bad:
-            raise GradientError(f"{who}: {bad} int8 values are -128 (reserved)")
+            raise GradientError(f"{who}: {bad} {self.name} scales above 2**120")
+        q = self._unpack(memoryview(payload)[4 * nb:], size, who)
         return scales, q
 
     def encoder(self, size: int) -> ErrorFeedbackEncoder:
         """A sender's stateful encoder for vectors of ``size``: this codec + error feedback."""
         return ErrorFeedbackEncoder(self, size)
+
+
+INT4_BLOCK = 64
+"""Values per int4 scale: 4/64 = 0.06 extra bytes a value, 0.56 in all."""
+
+
+class Int4Codec(Int8Codec):
+    """Blockwise absmax with 4-bit values: :class:`Int8Codec`'s recipe with ``L = 7``.
+
+    Wire layout (no header)::
+
+        [scale float32 x nblocks][ceil(size / 2) bytes of values]
+
+    Value ``2i`` is the low nibble of byte ``i`` and value ``2i + 1`` its high nibble,
+    each a 4-bit two's complement integer in -7..7; an odd ``size`` leaves the last high
+    nibble 0. -8 is never produced and is refused, as is a non-zero padding nibble (so a
+    vector has exactly one payload), besides everything :class:`Int8Codec` refuses.
+    """
+
+    name = "int4"
+    levels = 7
+    default_block = INT4_BLOCK
+
+    def values_size(self, size: int) -> int:
+        return -(-size // 2)
+
+    def _pack(self, q: np.ndarray) -> bytes:
+        nibbles = np.zeros(2 * self.values_size(q.size), np.uint8)
+        np.bitwise_and(q.view(np.uint8), 0x0F, out=nibbles[: q.size])
+        return (nibbles[0::2] | (nibbles[1::2] << 4)).tobytes()
+
+    def _unpack(self, raw: memoryview, size: int, who: str) -> np.ndarray:
+        packed = np.frombuffer(raw, dtype=np.uint8, count=self.values_size(size))
+        if size % 2 and packed[-1] >> 4:
+            raise GradientError(f"{who}: the int4 padding nibble is not 0")
+        q = np.empty(2 * packed.size, np.int8)
+        # sign-extend each nibble: shift it to the top of an int8, then arithmetic-shift
+        np.right_shift(np.left_shift(packed, 4).view(np.int8), 4, out=q[0::2])
+        np.right_shift(packed.view(np.int8), 4, out=q[1::2])
+        q = q[:size]
+        bad = int(np.count_nonzero(q == -8))
+        if bad:
+            raise GradientError(f"{who}: {bad} int4 values are -8 (reserved)")
+        return q
 
 
 class ErrorFeedback:
@@ -262,7 +325,8 @@ class ErrorFeedbackEncoder:
 
 F32 = F32Codec()
 INT8 = Int8Codec()
-CODECS: dict[str, F32Codec | Int8Codec] = {"f32": F32, "int8": INT8}
+INT4 = Int4Codec()
+CODECS: dict[str, F32Codec | Int8Codec] = {"f32": F32, "int8": INT8, "int4": INT4}
 
 
 def check_payload(codec: Codec, payload: bytes, size: int, who: str = "payload") -> None:

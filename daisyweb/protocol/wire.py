@@ -256,7 +256,7 @@ class Config(_Msg):
         "seed": _int(0, MAX_U64),
         "data": _str(MAX_TEXT_LEN),
         "sync_every": _int(1, 1 << 20),
-        "codec": _choice("f32", "int8"),
+        "codec": _choice("f32", "int8", "int4"),
         "outer_lr": _float(0.0, 10.0, lo_open=True),
         "overlap": _int(0, (1 << 20) - 1),
     }

@@ -1,4 +1,5 @@
-"""The payload codecs: f32 (lossless) and int8 (blockwise absmax, exact), error feedback."""
+"""The payload codecs: f32 (lossless), int8 and int4 (blockwise absmax, exact), error
+feedback."""
 
 import numpy as np
 import pytest
@@ -10,11 +11,14 @@ from daisyweb.protocol.averaging import GradientError, average_in_roster_order
 from daisyweb.protocol.codec import (
     CODECS,
     F32,
+    INT4,
+    INT4_BLOCK,
     INT8,
     INT8_BLOCK,
     ErrorFeedback,
     ErrorFeedbackEncoder,
     F32Codec,
+    Int4Codec,
     Int8Codec,
     check_payload,
     codec_by_name,
@@ -62,12 +66,15 @@ def _reference(x: np.ndarray, block: int = B) -> tuple[np.ndarray, np.ndarray]:
 # -- registry and f32 -----------------------------------------------------------------------
 
 
-def test_registry_names_both_codecs() -> None:
-    assert set(CODECS) == {"f32", "int8"}
+def test_registry_names_every_codec() -> None:
+    from daisyweb.rules import CODEC_NAMES
+
+    assert set(CODECS) == {"f32", "int8", "int4"} == set(CODEC_NAMES)
     assert codec_by_name("int8") is INT8 and INT8.name == "int8"
+    assert codec_by_name("int4") is INT4 and INT4.name == "int4"
     assert codec_by_name("f32") is F32
     with pytest.raises(ValueError, match="unknown codec"):
-        codec_by_name("int4")
+        codec_by_name("int2")
 
 
 def test_f32_round_trip_is_lossless() -> None:
@@ -386,15 +393,16 @@ def test_same_bytes_with_numpy_held_to_its_baseline_instructions() -> None:
 
     script = (
         "import hashlib, numpy as np\n"
-        "from daisyweb.protocol.codec import INT8, ErrorFeedback\n"
+        "from daisyweb.protocol.codec import INT4, INT8, ErrorFeedback\n"
         "rng = np.random.default_rng(5)\n"
         "x = (rng.standard_normal(100_003) * 10.0 ** rng.uniform(-8, 3, 100_003))"
         ".astype(np.float32)\n"
-        "ef = ErrorFeedback(x.size)\n"
         "h = hashlib.sha256()\n"
-        "for r in range(3):\n"
-        "    p, d = ef.encode_decoded(INT8, x * np.float32(r + 1))\n"
-        "    h.update(p); h.update(d.tobytes()); h.update(ef.residual.tobytes())\n"
+        "for codec in (INT8, INT4):\n"
+        "    ef = ErrorFeedback(x.size)\n"
+        "    for r in range(3):\n"
+        "        p, d = ef.encode_decoded(codec, x * np.float32(r + 1))\n"
+        "        h.update(p); h.update(d.tobytes()); h.update(ef.residual.tobytes())\n"
         "print(h.hexdigest())\n")
     here = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True,
                           check=True).stdout
@@ -463,23 +471,27 @@ def test_vectors_of_several_chunks_encode_and_decode_as_one_whole_vector(size: i
     assert INT8.decode(payload, size).tobytes() == expect.tobytes()
 
 
-@pytest.mark.parametrize("codec", [INT8, F32], ids=["int8", "f32"])
+@pytest.mark.parametrize("codec", [INT8, INT4, F32], ids=["int8", "int4", "f32"])
 def test_check_refuses_exactly_what_decode_refuses(codec: Int8Codec | F32Codec) -> None:
     """A step machine checks each arriving payload on its bytes (no vector made) and
     decodes it only to average it: the check must refuse every payload decode refuses,
     with the same message, and pass every one it accepts."""
     size = 3 * B + 17
     good = codec.encode(_vec(size, seed=3))
-    nb = INT8.nblocks(size)
     bad_payloads = [good[:-1], good + b"\x00"]
-    if codec is INT8:
+    if isinstance(codec, Int8Codec):
+        nb = codec.nblocks(size)
         for value in (np.nan, np.inf, -1.0, -0.0, 1e-40, 2.0**121):
             raw = bytearray(good)
             raw[4:8] = np.float32(value).astype("<f4").tobytes()
             bad_payloads.append(bytes(raw))
         raw = bytearray(good)
-        raw[4 * nb + 5] = 0x80  # -128
+        raw[4 * nb + 5] = 0x80  # int8 -128; int4: -8 in the high nibble
         bad_payloads.append(bytes(raw))
+        if codec is INT4:  # size is odd: the last high nibble is padding
+            raw = bytearray(good)
+            raw[-1] |= 0x10
+            bad_payloads.append(bytes(raw))
     else:
         raw = bytearray(good)
         raw[8:12] = np.float32(np.nan).astype("<f4").tobytes()
@@ -497,3 +509,133 @@ def test_check_refuses_exactly_what_decode_refuses(codec: Int8Codec | F32Codec) 
         decode = staticmethod(codec.decode)
     with pytest.raises(GradientError):
         check_payload(DecodeOnly(), bad_payloads[0], size, "g")
+
+
+# -- int4 ----------------------------------------------------------------------------------
+
+B4 = INT4_BLOCK
+
+
+def _nibbles(payload: bytes, size: int) -> np.ndarray:
+    """The int4 values of a payload, unpacked the slow way, one nibble at a time."""
+    raw = payload[4 * INT4.nblocks(size):]
+    out = []
+    for i in range(size):
+        nib = (raw[i // 2] >> (4 * (i % 2))) & 0x0F
+        out.append(nib - 16 if nib >= 8 else nib)
+    return np.array(out, np.int8)
+
+
+def _reference4(x: np.ndarray, block: int = B4) -> tuple[np.ndarray, np.ndarray]:
+    """int8's documented recipe with L = 7, one value at a time."""
+    f = np.float32
+    scales, qs = [], []
+    for start in range(0, x.size, block):
+        vals = [f(0.0) if abs(v) < np.finfo(f).tiny else f(v) for v in x[start:start + block]]
+        s = f(max(abs(v) for v in vals) / f(7.0))
+        if s < np.finfo(f).tiny:
+            s = f(0.0)
+        scales.append(s)
+        qs += [0 if s == 0 else int(min(max(float(np.floor(f(f(v / s) + f(0.5)))), -7.0), 7.0))
+               for v in vals]
+    return np.array(scales, np.float32), np.array(qs, np.int8)
+
+
+@pytest.mark.parametrize("size", [0, 1, 2, B4 - 1, B4, 3 * B4 + 17, 256 * B4 + 1])
+def test_int4_layout_matches_the_documented_recipe(size: int) -> None:
+    x = _vec(size, seed=40)
+    payload = INT4.encode(x)
+    nb = -(-size // B4)
+    assert len(payload) == 4 * nb + -(-size // 2) == INT4.payload_size(size)
+    ref_scales, ref_q = _reference4(x)
+    assert payload[: 4 * nb] == ref_scales.astype("<f4").tobytes()
+    q = _nibbles(payload, size)
+    assert q.tobytes() == ref_q.tobytes()
+    if size % 2:
+        assert payload[-1] >> 4 == 0  # the padding nibble
+    out = INT4.decode(payload, size)
+    expect = np.array([np.float32(np.float32(v) * ref_scales[i // B4]) for i, v in enumerate(q)],
+                      np.float32)
+    assert out.tobytes() == expect.tobytes()
+
+
+def test_int4_is_about_half_the_bytes_of_int8_and_within_half_a_step() -> None:
+    size = 1_000_003
+    assert INT4.payload_size(size) / INT8.payload_size(size) < 0.56
+    x = _vec(20 * B4 + 5, seed=41)
+    out = INT4.decode(INT4.encode(x), x.size)
+    scales, _ = _reference4(x)
+    step = np.repeat(scales.astype(np.float64), B4)[: x.size]
+    assert np.all(np.abs(out.astype(np.float64) - x) <= step * (0.5 + 2.0**-16))
+    q = _nibbles(INT4.encode(x), x.size)
+    assert q.min() >= -7 and np.abs(q).reshape(-1)[: 20 * B4].reshape(20, B4).max(axis=1).min() == 7
+
+
+def test_int4_refuses_minus_8_and_a_set_padding_nibble() -> None:
+    x = _vec(2 * B4 + 1, seed=42)
+    good = INT4.encode(x)
+    at = 4 * INT4.nblocks(x.size) + 3
+    # -8 in the low, the high, both nibbles; then -7 in the same places is fine
+    for byte, n, fine in ((0x08, 1, 0x09), (0x80, 1, 0x90), (0x88, 2, 0x99)):
+        raw = bytearray(good)
+        raw[at] = byte
+        with pytest.raises(GradientError, match=f"p3: {n} int4 values are -8"):
+            INT4.decode(bytes(raw), x.size, "p3")
+        raw[at] = fine
+        out = INT4.decode(bytes(raw), x.size)
+        lo, hi = (-7 if fine & 0x0F else 0), (-7 if fine >> 4 else 0)
+        scale = np.frombuffer(good, "<f4", count=1)[0]
+        assert out[6:8].tobytes() == (np.array([lo, hi], np.float32) * scale).tobytes()
+    raw = bytearray(good)
+    raw[-1] |= 0x70
+    with pytest.raises(GradientError, match="padding nibble"):
+        INT4.decode(bytes(raw), x.size)
+    with pytest.raises(GradientError, match=r"expected \d+ bytes of int4 payload"):
+        INT4.decode(good[:-1], x.size)
+    with pytest.raises(GradientError, match="NaN/Inf int4 scales"):
+        INT4.decode(_with_scale(good, 1, np.nan), x.size)
+
+
+@settings(max_examples=100, deadline=None)
+@given(hnp.arrays(np.float32, st.integers(0, 3 * B4 + 7), elements=_finite32),
+       st.sampled_from([1, 5, B4]))
+def test_int4_property_round_trip_bound_and_determinism(x: np.ndarray, block: int) -> None:
+    c = Int4Codec(block)
+    payload = c.encode(x)
+    assert len(payload) == c.payload_size(x.size) and payload == c.encode(x.copy())
+    out = c.decode(payload, x.size)
+    assert out.dtype == np.float32 and np.all(np.isfinite(out))
+    scales = np.frombuffer(payload, "<f4", count=c.nblocks(x.size)).astype(np.float64)
+    step = np.repeat(scales, block)[: x.size]
+    err = np.abs(out.astype(np.float64) - x.astype(np.float64))
+    assert np.all(err <= np.where(step > 0, step * (0.5 + 2.0**-16),
+                                  7 * float(np.finfo(np.float32).tiny)))
+    assert c.encode(out) == payload  # a decoded payload re-encodes to itself
+
+
+@settings(max_examples=60, deadline=None)
+@given(st.binary(min_size=0, max_size=200))
+def test_int4_decode_of_random_bytes_is_finite_or_refused(raw: bytes) -> None:
+    size = 2 * B4 + 3
+    n = INT4.payload_size(size)
+    raw = (raw * (n // max(len(raw), 1) + 1))[:n] if raw else bytes(n)
+    try:
+        out = INT4.decode(raw, size)
+    except GradientError:
+        return
+    assert out.dtype == np.float32 and out.shape == (size,) and np.all(np.isfinite(out))
+
+
+def test_int4_error_feedback_sum_tracks_the_true_sum() -> None:
+    size = 5 * B4 + 3
+    ef = ErrorFeedback(size)
+    true_sum = np.zeros(size, np.float64)
+    sent_sum = np.zeros(size, np.float64)
+    for r in range(30):
+        v = _vec(size, seed=60 + r)
+        payload, decoded = ef.encode_decoded(INT4, v)
+        true_sum += v
+        sent_sum += decoded
+        assert decoded.tobytes() == INT4.decode(payload, size).tobytes()
+    # what all rounds' bytes carried differs from the true sum by the last residual only
+    assert np.allclose(sent_sum + ef.residual, true_sum, rtol=1e-5, atol=1e-9)
