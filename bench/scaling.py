@@ -55,6 +55,7 @@ MODES = [  # (label, sync_every, codec, overlap)
     ("rounds H=32 f32", 32, "f32", 0),
     ("rounds H=32 int8, no overlap", 32, "int8", 0),
     ("rounds H=32 int8 overlap 4", 32, "int8", 4),
+    ("rounds H=16 int8 overlap 2", 16, "int8", 2),
     (DEFAULT_LABEL, DEFAULT_H, str(DEFAULTS["codec"]), DEFAULT_OVERLAP),
 ]
 
@@ -301,9 +302,11 @@ def main() -> None:
     default = next(r for r in real if r["label"] == DEFAULT_LABEL)
     compute_step = default["compute_per_step"]
     h32 = next(r for r in real if r["label"] == "rounds H=32 int8 overlap 4")
+    h16 = next(r for r in real if r["label"] == "rounds H=16 int8 overlap 2")
     proj = projection(compute_step, [
         ("lockstep f32", 1, 0, int(real[0]["bytes_per_exchange"])),
         ("rounds H=32 int8 overlap 4", 32, 4, int(h32["bytes_per_exchange"])),
+        ("rounds H=16 int8 overlap 2", 16, 2, int(h16["bytes_per_exchange"])),
         (DEFAULT_LABEL, DEFAULT_H, DEFAULT_OVERLAP, int(default["bytes_per_exchange"]))])
     # One peer's time is the median of the trials' (a single solo run can be slowed by
     # the host), the same for every trial's ratio.

@@ -50,11 +50,12 @@ DEFAULTS: MappingProxyType[str, int | float | str] = MappingProxyType({
     # lr 5e-3: one peer's 300-step held-out loss is the same as at 3e-3 (5.516 vs 5.511),
     # and a group in rounds reaches it sooner (docs/limits.md, section 2).
     "batch": 8, "steps": 300, "lr": 5e-3, "seed": 0, "data": "builtin",
-    # Rounds of 16 local steps exchanging int8 deltas, each round's first 2 steps taken
+    # Rounds of 16 local steps exchanging int4 deltas, each round's first 2 steps taken
     # while the last round's exchange is in flight (training.rounds.HeadStart): of the
     # modes measured, the one that reaches a given held-out loss soonest on real links
-    # (docs/limits.md section 2, python -m bench.scaling and bench.rounds_sim).
-    "sync_every": 16, "codec": "int8", "outer_lr": 1.0,
+    # (docs/limits.md section 2, python -m bench.scaling and bench.rounds_sim). int4
+    # trains as well as int8 (error feedback) and halves the bytes a link carries.
+    "sync_every": 16, "codec": "int4", "outer_lr": 1.0,
     "overlap": 2,
 })
 # What a run without these settings (an older checkpoint) was: lockstep, float32.

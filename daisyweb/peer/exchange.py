@@ -31,7 +31,7 @@ class RecordingEncoder:
         codec = codec_by_name(name)
         self.name = codec.name
         self._codec = codec
-        self._encoder: Codec = codec.encoder(size)  # error feedback for int8
+        self._encoder: Codec = codec.encoder(size)  # error feedback for int8 and int4
         self.last_payload = b""
         self.bytes_sent = 0  # payload bytes of this member's own contributions so far
 

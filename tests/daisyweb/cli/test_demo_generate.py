@@ -4,6 +4,7 @@ import pytest
 
 from daisyweb.checkpoints.checkpoint import load_checkpoint
 from daisyweb.cli import demo, generate
+from daisyweb.training.config import DEFAULTS
 
 TINY = ["--width", "16", "--layers", "1", "--heads", "2", "--seq", "16", "--batch", "2"]
 
@@ -65,7 +66,7 @@ def test_demo_group_of_three_ends_with_one_weight_hash(tmp_path) -> None:
     records = [json.loads(x) for x in metrics.read_text().splitlines()]
     # rounds of 2 local steps (the last one short): one record per round
     assert [(r["round"], r["step"]) for r in records[:-1]] == [(1, 2), (2, 3)]
-    assert {r["mode"] for r in records[:-1]} == {"rounds H=2 int8"}
+    assert {r["mode"] for r in records[:-1]} == {f"rounds H=2 {DEFAULTS['codec']}"}
     assert len(records[0]["roster"]) == 3
     assert records[-2]["weight_hash"].startswith(finals[0][1])
 

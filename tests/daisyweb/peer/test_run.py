@@ -31,6 +31,7 @@ from daisyweb.model import init_params
 from daisyweb.net import MeshError, PeerDown, PeerUp, Received
 from daisyweb.peer import PeerError, PeerOptions, TestHooks, report, run_peer
 from daisyweb.protocol import budget, framing, wire
+from daisyweb.protocol.codec import codec_by_name
 from daisyweb.training.config import RunConfig
 from daisyweb.training.replay import replay_hashes, replay_rounds
 
@@ -801,9 +802,12 @@ def round_oracle(g: Group, peer: Peer, start: Checkpoint | None = None) -> list[
                          total_steps=max(total, 2 * len(spec)), first_round=first)
 
 
-def test_rounds_three_peers_identical_at_every_boundary_equal_to_replay(group: Group) -> None:
+@pytest.mark.parametrize("codec", ["int8", "int4"])
+def test_rounds_three_peers_identical_at_every_boundary_equal_to_replay(group: Group,
+                                                                        codec: str) -> None:
     # Equal shares: a share moved by a noisy speed would drop a head start this counts.
-    lead = group.leader(*ROUNDS, "--steps", "7", "--wait-peers", "3", "--capacity", "off")
+    lead = group.leader(*ROUNDS[:-1], codec, "--steps", "7", "--wait-peers", "3",
+                        "--capacity", "off")
     a = group.spawn("a")
     # one peer on numpy's baseline instructions, as on an old CPU
     b = group.spawn("b", env={"NPY_DISABLE_CPU_FEATURES":
@@ -812,7 +816,7 @@ def test_rounds_three_peers_identical_at_every_boundary_equal_to_replay(group: G
     for p in (lead, a, b):
         # rounds of 2, the last one short; records count optimizer steps
         assert [(r["round"], r["step"]) for r in p.steps()] == [(1, 2), (2, 4), (3, 6), (4, 7)]
-        assert all(r["mode"] == "rounds H=2 int8" for r in p.steps())
+        assert all(r["mode"] == f"rounds H=2 {codec}" for r in p.steps())
         assert p.end()["end"] == "done"
         # --overlap defaults to 1 step here: every round after the first (and but the
         # last, which has one step) began while the previous exchange was in flight.
@@ -826,9 +830,11 @@ def test_rounds_three_peers_identical_at_every_boundary_equal_to_replay(group: G
                                     for i, r in enumerate(lead.steps())],
                                    sync_every=2, total_steps=7)
     assert {p.end()["weight_hash"] for p in (lead, a, b)} == {hashes[-1]}
-    # int8 payloads: about a quarter of the float32 bytes
+    # 4 rounds' payloads: int8 about a quarter of float32, int4 an eighth
     size = init_params(tiny_run().model, 3).size
-    assert lead.steps()[-1]["bytes_sent"] < 4 * size * 4 * 0.3
+    payload = codec_by_name(codec).payload_size(size)
+    assert payload < 4 * size * {"int8": 0.26, "int4": 0.15}[codec]
+    assert lead.steps()[-1]["bytes_sent"] == 4 * payload
 
 
 def test_rounds_dropped_contribution_is_repaired_bit_exact(group: Group) -> None:
