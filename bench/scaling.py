@@ -60,12 +60,13 @@ MODES = [  # (label, sync_every, codec, overlap)
 ]
 
 
-def one_peer(steps: int, tmp: Path, tag: str = "solo") -> dict:
+def one_peer(steps: int, tmp: Path, tag: str = "solo", seed: int = 0) -> dict:
     """One peer alone on core 0: training seconds (sum of step times) and its checkpoint."""
     # A fresh metrics file per run: the demo appends to an existing one.
     metrics, ckpt = tmp / f"{tag}.jsonl", tmp / f"{tag}.pt"
     cmd = ["taskset", "-c", "0", sys.executable, "-m", "daisyweb.cli.demo", "--peers", "1",
-           "--steps", str(steps), "--metrics", str(metrics), "--save", str(ckpt)]
+           "--steps", str(steps), "--seed", str(seed), "--metrics", str(metrics),
+           "--save", str(ckpt)]
     subprocess.run(cmd, cwd=tmp, env=ENV, check=True, capture_output=True, timeout=1800)
     recs = [r for r in records(metrics) if "compute_s" in r]
     secs = sum(r["compute_s"] for r in recs)
@@ -127,9 +128,11 @@ def throughput(label: str, h: int, codec: str, overlap: int, min_steps: int, exc
 
 def reach_trial(index: int, solo_steps: int, reach_steps: int, tmp: Path) -> dict:
     """One peer trains ``solo_steps``; then two peers in the default mode train
-    ``reach_steps`` each. The group's time to one peer's held-out loss is the sum of its
-    rounds' wall times up to the first boundary at or below it (``main`` divides it by
-    one peer's median time).
+    ``reach_steps`` each, both from run seed ``index`` (the initial weights, and the
+    batches of a peer whose id is fixed: one peer alone is always "demo-0", so without a
+    seed of its own its loss would be the same draw in every trial). The group's time to
+    one peer's held-out loss is the sum of its rounds' wall times up to the first
+    boundary at or below it (``main`` divides it by one peer's median time).
 
     The boundaries are evaluated afterwards, not during the run: each peer writes the
     round contributions it decoded (the replay oracle's input,
@@ -139,13 +142,14 @@ def reach_trial(index: int, solo_steps: int, reach_steps: int, tmp: Path) -> dic
     its one core with the next round's head start and slowed the group by about 5%.
     (Until 2026-12-05 this subtracted the evaluations' seconds from rounds whose wall
     time already left them out: about 20% too flattering.)"""
-    solo = one_peer(solo_steps, tmp, f"solo{index}")
+    solo = one_peer(solo_steps, tmp, f"solo{index}", seed=index)
     target = held_out(solo["ckpt"])
     h, overlap = int(DEFAULTS["sync_every"]), int(DEFAULTS["overlap"])
     dumps = tmp / f"reach{index}-rounds"
     dumps.mkdir()
     group = two_peers(reach_steps, h, str(DEFAULTS["codec"]), tmp, f"reach{index}",
-                      overlap=overlap, env=dict(ENV, DAISYWEB_TEST_DUMP_GRADS=str(dumps)))
+                      extra=("--seed", str(index)), overlap=overlap,
+                      env=dict(ENV, DAISYWEB_TEST_DUMP_GRADS=str(dumps)))
     losses = boundary_losses(group["records"], group["ckpt"], dumps)
     reach_s, reach_at, reach_loss, elapsed = None, None, math.inf, 0.0
     for r, loss in zip(group["records"], losses, strict=True):
@@ -264,9 +268,10 @@ def main() -> None:
     exchanges = 3 if quick else 8
     with tempfile.TemporaryDirectory() as tmp_name:
         tmp = Path(tmp_name)
-        # Each peer's batches are keyed by its id, which the server draws at random, so
-        # both one peer's 300-step loss and the group's crossing move from run to run:
-        # the time-to-loss bar is the median over --reach-trials paired runs.
+        # Trial i runs both sides from seed i (initial weights and batches), and a group
+        # peer's batches are keyed by its random id too, so both one peer's 300-step loss
+        # and the group's crossing move from run to run (one peer's by 0.12 over four
+        # seeds): the time-to-loss bar is the median over --reach-trials paired runs.
         trials = [reach_trial(i, solo_steps, 64 if quick else 288, tmp)
                   for i in range(args.reach_trials)]
         solo_tps = statistics.median(t["solo"]["tokens_per_s"] for t in trials)
@@ -339,8 +344,9 @@ def main() -> None:
         *rows,
         "",
         f"**Time to one peer's {solo_steps}-step held-out loss**, {len(trials)} paired "
-        "runs (each peer's batches are keyed by its random id, so both sides move from run "
-        f"to run): one peer trains {solo_steps} steps; then two peers in the default mode, "
+        "runs, trial i from run seed i on both sides (initial weights and batches; a group "
+        f"peer's batches are keyed by its random id too): one peer trains {solo_steps} "
+        "steps; then two peers in the default mode, "
         "time the sum of their rounds' wall times (from a round's start to its commit) "
         "up to the first boundary at or below that run's one-peer loss. Every boundary is "
         "evaluated afterwards: its shared weights rebuilt from the contributions the peers "
