@@ -22,6 +22,7 @@ from __future__ import annotations
 import importlib
 from typing import Any, Protocol
 
+from daisyweb.net import nomedia
 from daisyweb.net.events import MeshError
 from daisyweb.net.ice import IceSettings
 
@@ -62,6 +63,8 @@ def choose(name: str = "auto") -> Transport:
     """The transport for ``--transport name``; TransportError if it cannot load."""
     if name not in NAMES:
         raise TransportError(f"unknown transport {name!r} (one of {', '.join(NAMES)})")
+    # Before anything imports aiortc or webrtc.aiortc: they would load PyAV for media.
+    nomedia.install()
     if name == "auto":
         name = "libwebrtc" if libwebrtc_available() else "aiortc"
     if name == "libwebrtc":
