@@ -270,7 +270,7 @@ def main() -> None:
         tmp = Path(tmp_name)
         # Trial i runs both sides from seed i (initial weights and batches), and a group
         # peer's batches are keyed by its random id too, so both one peer's 300-step loss
-        # and the group's crossing move from run to run (one peer's by 0.12 over four
+        # and the group's crossing move from run to run (one peer's by 0.27 over fifteen
         # seeds): the time-to-loss bar is the median over --reach-trials paired runs.
         trials = [reach_trial(i, solo_steps, 64 if quick else 288, tmp)
                   for i in range(args.reach_trials)]
