@@ -304,15 +304,13 @@ def main() -> None:
                         + (f"{reached} steps" if reached else "> 600 steps") + " |")
     one_at_300 = next((loss for st, loss in one.curve if st >= sim_steps), one.final)
     sim_rows.append(f"| (one peer after 300 steps) | {one_at_300:.3f} | |")
-    default = next(r for r in real if r["label"] == DEFAULT_LABEL)
-    compute_step = default["compute_per_step"]
-    h32 = next(r for r in real if r["label"] == "rounds H=32 int8 overlap 4")
-    h16 = next(r for r in real if r["label"] == "rounds H=16 int8 overlap 2")
+    by_label = {r["label"]: r for r in real}
+    compute_step = by_label[DEFAULT_LABEL]["compute_per_step"]
+    projected = ("lockstep f32", "rounds H=32 int8 overlap 4", "rounds H=16 int8 overlap 2",
+                 DEFAULT_LABEL)
     proj = projection(compute_step, [
-        ("lockstep f32", 1, 0, int(real[0]["bytes_per_exchange"])),
-        ("rounds H=32 int8 overlap 4", 32, 4, int(h32["bytes_per_exchange"])),
-        ("rounds H=16 int8 overlap 2", 16, 2, int(h16["bytes_per_exchange"])),
-        (DEFAULT_LABEL, DEFAULT_H, DEFAULT_OVERLAP, int(default["bytes_per_exchange"]))])
+        (label, h, overlap, int(by_label[label]["bytes_per_exchange"]))
+        for label, h, _, overlap in MODES if label in projected])
     # One peer's time is the median of the trials' (a single solo run can be slowed by
     # the host), the same for every trial's ratio.
     solo_s = statistics.median(t["solo"]["train_s"] for t in trials)

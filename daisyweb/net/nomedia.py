@@ -37,9 +37,8 @@ def _absent(qualname: str) -> type:
             f"{qualname} is not available: daisyweb loads WebRTC for data channels only, "
             "without PyAV (daisyweb.net.nomedia)")
 
-    return type(qualname.rsplit(".", 1)[-1], (), {"__new__": refuse,
-                                                  "__qualname__": qualname,
-                                                  "__module__": qualname.rsplit(".", 1)[0]})
+    module, _, name = qualname.rpartition(".")
+    return type(name, (), {"__new__": refuse, "__qualname__": qualname, "__module__": module})
 
 
 class _StandIn(types.ModuleType):
