@@ -42,6 +42,7 @@ from __future__ import annotations
 
 import functools
 import math
+import mmap
 import threading
 from dataclasses import asdict, dataclass
 from typing import Any
@@ -339,18 +340,59 @@ def _prepare(cfg: ModelConfig, p: dict[str, np.ndarray], mode: _Mode, work: _Wor
     return prep
 
 
+_SLAB = 4 << 20  # bytes a workspace maps at a time for its buffers
+_ALIGN = 64  # every buffer starts on a cache line
+# Python maps anonymous memory shared unless told otherwise (POSIX); Windows has no flags
+_PRIVATE = {"flags": mmap.MAP_PRIVATE} if hasattr(mmap, "MAP_PRIVATE") else {}
+
+
+class _Slabs:
+    """Memory for one workspace's buffers, carved from anonymous maps of its own.
+
+    A workspace's ~90 buffers (37 MB at the demo default) used to come from malloc, below
+    the peer's mmap threshold: when a peer's share of the batch changed and a workspace of
+    another shape replaced the old one, the freed blocks stayed in the heap as holes the
+    new shapes did not fit, and resident memory rose by tens of MB with each change
+    (bench.memory). Maps of its own go back to the system whole once the workspace and
+    every view of it are gone.
+    """
+
+    def __init__(self) -> None:
+        self._maps: list[mmap.mmap] = []
+        self._free = 0  # bytes left at the end of the last map
+
+    def array(self, shape: tuple[int, ...], dtype: np.dtype) -> np.ndarray:
+        count = math.prod(shape)
+        nbytes = max(count * dtype.itemsize, 1)
+        size = -(-nbytes // _ALIGN) * _ALIGN
+        if size > self._free:
+            length = -(-max(size, _SLAB) // mmap.PAGESIZE) * mmap.PAGESIZE
+            self._maps.append(mmap.mmap(-1, length, **_PRIVATE))
+            self._free = length
+        block = self._maps[-1]
+        offset = len(block) - self._free
+        self._free -= size
+        return np.frombuffer(block, dtype, count, offset).reshape(shape)
+
+    def mapped(self) -> int:
+        """Bytes mapped so far."""
+        return sum(len(m) for m in self._maps)
+
+
 class _Work:
     """Every array one call of the model needs, for one (config, batch shape, dtype).
 
     A training step allocates nothing big: activations, their caches for the backward
-    and the backward's scratch are these buffers, made on first use and reused by the
-    next call with the same key (``_take``/``_give``). Whatever a call reads it wrote
-    first in the same call, so nothing leaks from one call into the next.
+    and the backward's scratch are these buffers, made on first use (in maps of the
+    workspace's own, :class:`_Slabs`) and reused by the next call with the same key
+    (``_take``/``_give``). Whatever a call reads it wrote first in the same call, so
+    nothing leaks from one call into the next.
     """
 
     def __init__(self, key: tuple[Any, ...]) -> None:
         self.key = key
         self._bufs: dict[tuple[str, int], np.ndarray] = {}
+        self._slabs = _Slabs()
         self._causal: np.ndarray | None = None
         self.dt: np.dtype = key[-1]
 
@@ -358,7 +400,7 @@ class _Work:
                  dtype: Any = None) -> np.ndarray:
         buf = self._bufs.get((name, layer))
         if buf is None:
-            buf = self._bufs[(name, layer)] = np.empty(shape, dtype or self.dt)
+            buf = self._bufs[(name, layer)] = self._slabs.array(shape, np.dtype(dtype or self.dt))
         elif buf.shape != shape:  # two uses of one name: a bug, not a user error
             raise AssertionError(f"workspace {name} is {buf.shape}, asked for {shape}")
         return buf
@@ -377,29 +419,43 @@ class _Work:
         """Every buffer a call writes (tests poison them to show nothing leaks)."""
         return list(self._bufs.values())
 
+    def mapped(self) -> int:
+        """Bytes this workspace holds."""
+        return self._slabs.mapped()
+
 
 _POOL_MAX = 2  # idle workspaces kept (training batch + one evaluation shape)
 _pool: list[_Work] = []
 _pool_lock = threading.Lock()
 
 
+def _kind(key: tuple[Any, ...]) -> tuple[Any, ...]:
+    """A workspace key without its batch shape: (config, keep, dtype)."""
+    return key[0], key[2], key[3]
+
+
+def _drop_other_shapes(key: tuple[Any, ...]) -> None:
+    """Forget idle workspaces of ``key``'s kind for another batch shape (lock held): a
+    peer whose share of the batch changed (capacity-weighted rows) would otherwise hold
+    both, about 37 MB each for a training step at the demo default."""
+    _pool[:] = [w for w in _pool if w.key == key or _kind(w.key) != _kind(key)]
+
+
 def _take(key: tuple[Any, ...]) -> _Work:
     """An idle workspace for ``key`` (a new one if none is idle): one per running call,
-    so calls on several threads never share buffers."""
+    so calls on several threads never share buffers. A new one replaces the idle ones of
+    its kind for other shapes before it is made, so the two are never held at once."""
     with _pool_lock:
         for i in range(len(_pool) - 1, -1, -1):
             if _pool[i].key == key:
                 return _pool.pop(i)
+        _drop_other_shapes(key)
     return _Work(key)
 
 
 def _give(work: _Work) -> None:
     with _pool_lock:
-        # An idle workspace of the same kind for another batch shape goes: a peer whose
-        # share of the batch changed (capacity-weighted rows) would otherwise keep both,
-        # about 37 MB each for a training step at the demo default.
-        cfg, _, keep, dt = work.key
-        _pool[:] = [w for w in _pool if (w.key[0], w.key[2], w.key[3]) != (cfg, keep, dt)]
+        _drop_other_shapes(work.key)  # another thread's call may have made one meanwhile
         _pool.append(work)
         del _pool[:-_POOL_MAX]
 

@@ -9,6 +9,9 @@ on one core and on two, and must not carry anything from one call into the next.
 from __future__ import annotations
 
 import math
+import os
+import subprocess
+import sys
 from collections.abc import Iterator
 from typing import Any
 
@@ -335,6 +338,72 @@ def test_a_new_batch_shape_replaces_the_idle_workspace_of_the_old_one() -> None:
     g1 = loss_and_grad(SMALL, p, _batch(SMALL, 4, 16, seed=1))[1]
     model._pool.clear()
     assert g1.tobytes() == loss_and_grad(SMALL, p, _batch(SMALL, 4, 16, seed=1))[1].tobytes()
+
+
+def test_a_new_batch_shape_is_made_only_after_the_old_idle_workspace_is_gone(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """Dropped after the call with the new shape would still hold both during it."""
+    p = init_params(SMALL, 0)
+    model._pool.clear()
+    loss_and_grad(SMALL, p, _batch(SMALL, 4, 16))
+    held: list[list[tuple[Any, ...]]] = []
+    made = model._Work.__init__
+
+    def spy(self: model._Work, key: tuple[Any, ...]) -> None:
+        held.append([w.key for w in model._pool])
+        made(self, key)
+
+    monkeypatch.setattr(model._Work, "__init__", spy)
+    loss_and_grad(SMALL, p, _batch(SMALL, 3, 16))
+    assert len(held) == 1 and held[0] == []
+
+
+def test_workspace_buffers_do_not_overlap_and_start_on_cache_lines() -> None:
+    p = init_params(MID, 0)
+    model._pool.clear()
+    loss_and_grad(MID, p, _batch(MID, 5, 12))
+    (work,) = model._pool
+    spans = sorted((b.__array_interface__["data"][0], b.nbytes) for b in work.buffers())
+    assert all(start % 64 == 0 for start, _ in spans)
+    assert all(a + n <= b for (a, n), (b, _) in zip(spans, spans[1:], strict=False))
+    assert work.mapped() >= sum(n for _, n in spans)
+
+
+RETURNED = """
+import gc
+import numpy as np
+from daisyweb import model
+from daisyweb.peer.memory import keep_step_buffers, tune_malloc
+def anon():
+    for line in open("/proc/self/status"):
+        if line.startswith("RssAnon:"):
+            return int(line.split()[1]) << 10
+cfg = model.ModelConfig(vocab=2048)  # the demo default
+params = model.init_params(cfg, 0)
+assert tune_malloc() and keep_step_buffers(params.size)  # as a peer runs
+batch = np.random.default_rng(0).integers(0, cfg.vocab, size=(8, cfg.seq + 1))
+grad = np.empty_like(params)
+model.loss_and_grad(cfg, params, batch, out=grad)
+(work,) = model._pool
+size = sum(b.nbytes for b in work.buffers())
+before = anon()
+del work
+model._pool.clear()
+gc.collect()
+print(size, before - anon())
+"""
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc")
+def test_a_dropped_workspace_gives_its_memory_back_to_the_system() -> None:
+    """With the peer's malloc settings (``peer.memory``) a workspace's buffers are below
+    the mmap threshold: from the heap they would stay resident as holes once freed."""
+    r = subprocess.run([sys.executable, "-c", RETURNED], capture_output=True, text=True,
+                       timeout=120, check=True,
+                       env=dict(os.environ, OPENBLAS_NUM_THREADS="1"))
+    size, returned = map(int, r.stdout.split())
+    assert size > 30 << 20  # the demo default's training workspace
+    assert returned >= 0.9 * size
 
 
 def test_out_is_checked() -> None:
