@@ -313,8 +313,9 @@ class RoundTrainer:
     def stage(self, contribution: Contribution) -> None:
         """Keep this member's inner state of a round until the round commits.
 
-        Two are kept: the newest round's, and the one before it, which a rollback of the
-        last commit applies again (:meth:`restore`, then :meth:`apply`).
+        Until a commit, two are kept: the newest round's, and the one before it, which a
+        rollback of the last commit applies again (:meth:`restore`, then :meth:`apply`);
+        :meth:`apply` drops the ones before the round it commits.
         """
         if contribution.inner is None:
             raise ValueError("a round contribution carries its inner state")
@@ -339,6 +340,10 @@ class RoundTrainer:
         self.state.optimizer.load_state_dict(inner, copy=False)
         self.state.params = new_anchor
         self.rounds_done = r + 1
+        # The round before is never applied again (a rollback only recommits this one):
+        # its moments, 8P bytes, would otherwise stay until the next round is staged.
+        for old in [k for k in self._staged if k < r]:
+            del self._staged[old]
 
     def weight_hash(self) -> str:
         return shared_hash(self.state.params, self.rounds_done, self.state.step)

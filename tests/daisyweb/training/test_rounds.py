@@ -148,6 +148,21 @@ def test_a_rollback_after_the_next_round_is_staged_restores_and_recommits_exactl
     assert np.array_equal(t.state.optimizer.v, c1.inner["v"])
 
 
+def test_a_commit_lets_go_of_the_inner_state_staged_for_the_round_before() -> None:
+    """Round 0's moments are not needed once round 1 commits (a rollback only recommits
+    round 1): the trainer must not hold them for the whole of round 2."""
+    t = RoundTrainer(TrainState.fresh(_run(12, 4)), 4)
+    c0 = t.contribute(0, _batches("a"))
+    t.stage(c0)
+    t.apply(c0.vector)
+    c1 = t.contribute(1, _batches("a"))
+    t.stage(c1)
+    assert sorted(t._staged) == [0, 1]  # round 0's stays until round 1 commits
+    t.apply(c1.vector)
+    assert sorted(t._staged) == [1]
+    assert t.state.optimizer.m is c1.inner["m"]  # adopted, not copied
+
+
 def test_rounds_before_counts_whole_windows_and_the_short_last_round() -> None:
     assert [rounds_before(s, 10, 4) for s in (0, 4, 8, 10)] == [0, 1, 2, 3]
     assert rounds_before(5, 5, 2) == 3  # a finished run: its short last round counts
