@@ -353,8 +353,8 @@ class _Slabs:
     the peer's mmap threshold: when a peer's share of the batch changed and a workspace of
     another shape replaced the old one, the freed blocks stayed in the heap as holes the
     new shapes did not fit, and resident memory rose by tens of MB with each change
-    (a run with a joiner, docs/limits.md section 1). Maps of its own go back to the system whole once the workspace and
-    every view of it are gone.
+    (a run with a joiner, docs/limits.md section 1). Maps of its own go back to the
+    system whole once the workspace and every view of it are gone.
     """
 
     def __init__(self) -> None:
