@@ -34,21 +34,26 @@ def check_gradient(grad: object, size: int, who: str = "gradient") -> np.ndarray
     return np.ascontiguousarray(grad)
 
 
-def average_in_roster_order(grads: Iterable[np.ndarray]) -> np.ndarray:
+def average_in_roster_order(grads: Iterable[np.ndarray], *, owned: bool = False) -> np.ndarray:
     """``f32(1/n) * (((g0 + g1) + g2) + ...)``, every operation elementwise float32.
 
     All gradients must already be validated float32 vectors of one length. They are
     read one at a time, in order: ``grads`` may be a generator that decodes each only
-    when it is added, so the roster's vectors are never all held at once.
+    when it is added, and each is let go once added: then only the sum and the vector
+    being added are held (a commit at the demo default held a third 5.3 MB vector, the one
+    added before). With ``owned`` they are the caller's to give up (freshly decoded): the
+    first becomes the sum instead of being copied (the same bits). Without it nothing
+    passed in is written.
     """
     total: np.ndarray | None = None
     n = 0
     for g in grads:
         _check_same(g, total)
         if total is None:
-            total = g.copy()
+            total = g if owned else g.copy()
         else:
             np.add(total, g, out=total)
+        del g  # not held while the next one is decoded
         n += 1
     if total is None:
         raise GradientError("cannot average an empty roster")
@@ -63,8 +68,8 @@ def _check_same(g: object, total: np.ndarray | None) -> None:
         raise GradientError("all gradients must be float32 arrays of the same shape")
 
 
-def weighted_average_in_roster_order(grads: Iterable[np.ndarray],
-                                     shares: Sequence[int]) -> np.ndarray:
+def weighted_average_in_roster_order(grads: Iterable[np.ndarray], shares: Sequence[int], *,
+                                     owned: bool = False) -> np.ndarray:
     """The full-batch mean of contributions over ``shares[i]`` sequences each.
 
     Member i's contribution is the mean over its ``n_i`` sequences, so the mean over all
@@ -72,7 +77,8 @@ def weighted_average_in_roster_order(grads: Iterable[np.ndarray],
     ``f32(1/T) * (((f32(n_0) g_0 + f32(n_1) g_1) + f32(n_2) g_2) + ...)``, every operation
     elementwise float32 in roster order. Equal shares are the plain mean, computed as
     :func:`average_in_roster_order` does (bit for bit what capacity off computes).
-    ``grads`` is read one at a time, as there.
+    ``grads`` is read one at a time, as there; with ``owned`` each is scaled in its own
+    buffer (no scratch vector) and the first becomes the sum.
     """
     if any(isinstance(n, bool) or not isinstance(n, (int, np.integer)) or n < 1
            for n in shares):
@@ -80,7 +86,8 @@ def weighted_average_in_roster_order(grads: Iterable[np.ndarray],
     if isinstance(grads, Sized) and len(shares) != len(grads):
         raise GradientError(f"{len(shares)} shares for {len(grads)} contributions")
     if len(set(int(n) for n in shares)) <= 1:
-        return _counted(average_in_roster_order, grads, len(shares))
+        return _counted(lambda gs: average_in_roster_order(gs, owned=owned), grads,
+                        len(shares))
     total: np.ndarray | None = None
     scaled: np.ndarray | None = None
     count = 0
@@ -90,11 +97,12 @@ def weighted_average_in_roster_order(grads: Iterable[np.ndarray],
         _check_same(g, total)
         n = np.float32(shares[count])
         if total is None:
-            total = np.multiply(g, n, dtype=np.float32)
-            scaled = np.empty_like(total)
+            total = np.multiply(g, n, out=g) if owned else np.multiply(g, n, dtype=np.float32)
         else:
-            np.multiply(g, n, out=scaled)
-            np.add(total, scaled, out=total)
+            if not owned and scaled is None:
+                scaled = np.empty_like(total)
+            np.add(total, np.multiply(g, n, out=g if owned else scaled), out=total)
+        del g  # not held while the next one is decoded
         count += 1
     if total is None or count != len(shares):
         raise GradientError(f"{len(shares)} shares for {count} contributions")
@@ -112,6 +120,7 @@ def _counted(average: Callable[[Iterable[np.ndarray]], np.ndarray],
         for g in grads:
             seen += 1
             yield g
+            del g  # not held while the next one is decoded
 
     total = average(counting())
     if seen != expected:

@@ -36,7 +36,10 @@ class Codec(Protocol):
 
     def encode(self, vector: np.ndarray) -> bytes: ...
 
-    def decode(self, payload: bytes, size: int, who: str = "payload") -> np.ndarray: ...
+    def decode(self, payload: bytes, size: int, who: str = "payload") -> np.ndarray:
+        """A new float32 array of ``size`` (the caller may write it: the step machine sums
+        into the first it decodes), or GradientError."""
+        ...
 
 
 class F32Codec:

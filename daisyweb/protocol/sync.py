@@ -449,9 +449,9 @@ class StepMachine(LeaderDuties, HashDuties):
         if backup is not None:
             self._backup = (step, backup())
         if st.shares:
-            self.replica.apply(weighted_average_in_roster_order(grads, st.shares))
+            self.replica.apply(weighted_average_in_roster_order(grads, st.shares, owned=True))
         else:
-            self.replica.apply(average_in_roster_order(grads))
+            self.replica.apply(average_in_roster_order(grads, owned=True))
         self._ledger.committed[step] = st.roster
         self._ledger.committed_shares[step] = st.shares
         self._ledger.forget_before(step, self.history, keep_grads=self.is_leader)

@@ -829,3 +829,37 @@ def test_future_rosters_are_not_kept() -> None:
     assert m._ledger.rosters_seen == before
     m.message("c", wire.Roster(b + 1, ("c", "b")))  # near: kept for a failover
     assert m._ledger.rosters_seen[("c", b + 1)] == (("c", "b"), ())
+
+
+class RecordingCodec:
+    """F32, keeping every vector it decodes (to see which one a replica is handed)."""
+
+    name = "f32"
+
+    def __init__(self) -> None:
+        self.decoded: list[np.ndarray] = []
+
+    def encode(self, vector: np.ndarray) -> bytes:
+        return F32.encode(vector)
+
+    def decode(self, payload: bytes, size: int, who: str = "payload") -> np.ndarray:
+        vector = F32.decode(payload, size, who)
+        self.decoded.append(vector)
+        return vector
+
+
+def test_a_commit_sums_into_the_first_decoded_vector_not_a_copy() -> None:
+    """The machine gives its freshly decoded vectors to the averaging as its own
+    (``owned``): a commit holds one vector less than with a copy of the first."""
+    codec = RecordingCodec()
+    bus = Bus(["a", "b", "c"], steps=2, seed=4, codec=codec)
+    handed: list[np.ndarray] = []
+    for replica in bus.replicas.values():
+        def apply(average: np.ndarray, replica: FakeReplica = replica) -> None:
+            handed.append(average)
+            FakeReplica.apply(replica, average)
+        replica.apply = apply  # type: ignore[method-assign]
+    bus.start()
+    bus.run()
+    assert set(bus.finished) == {"a", "b", "c"} and len(handed) == 6
+    assert all(any(average is d for d in codec.decoded) for average in handed)
