@@ -26,7 +26,7 @@ import statistics
 import subprocess
 import sys
 import tempfile
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from dataclasses import asdict
 from pathlib import Path
 
@@ -229,6 +229,22 @@ def _simulations(sim_steps: int, cache: Path | None) -> dict[str, SimResult]:
     return sims
 
 
+def median_interval(values: Sequence[float], level: float = 0.9, resamples: int = 10_000,
+                    seed: int = 0) -> tuple[float, float]:
+    """A bootstrap interval for the median of ``values``: the central ``level`` of the
+    medians of ``resamples`` resamplings with replacement. Trials spread widely (each
+    group run draws its members' ids, and so their batches), so a median alone says
+    little about how far the bar is; a fixed seed gives the same interval for the same
+    trials. A trial that never reached the target counts as infinitely slow."""
+    if not values:
+        raise ValueError("no trials")
+    data = np.asarray(values, dtype=np.float64)
+    rng = np.random.default_rng(seed)
+    medians = np.median(rng.choice(data, size=(resamples, data.size)), axis=1)
+    lo, hi = np.quantile(medians, [(1 - level) / 2, (1 + level) / 2], method="lower")
+    return float(lo), float(hi)
+
+
 def held_out(path: Path) -> float:
     ckpt = load_checkpoint(path)
     return heldout_loss(ckpt.model, ckpt.params, heldout_batches(ckpt.model.seq))
@@ -317,6 +333,7 @@ def main() -> None:
     for t in trials:
         t["ratio"] = t["reach_s"] / solo_s if t["reach_s"] is not None else math.inf
     median_ratio = statistics.median(t["ratio"] for t in trials)
+    low, high = median_interval([t["ratio"] for t in trials])
     trial_rows = ["| trial | one peer: held-out after 300 steps | one peer: training s | "
                   "two peers: held-out by step | two peers: first at or below | "
                   "two peers: s | **ratio** |", "|---:|---:|---:|---|---:|---:|---:|"]
@@ -352,7 +369,9 @@ def main() -> None:
         "the hash the group published, so no evaluation slows the run. Held-out: "
         f"`daisyweb-eval`'s {DEFAULT_BATCHES} fixed batches of the last 5% of the built-in "
         f"corpus. Ratios over the median one-peer time ({solo_s:.1f} s); median ratio: "
-        f"**{median_ratio:.2f}x** one peer's time.",
+        f"**{median_ratio:.2f}x** one peer's time (90% bootstrap interval of the median "
+        f"over these trials: {low:.2f}x-"
+        + (f"{high:.2f}x)." if math.isfinite(high) else "not reached)."),
         "",
         *trial_rows,
         "",
