@@ -204,7 +204,7 @@ def test_demo_single_peer_halt_is_one_line_and_keeps_the_last_step(
     assert [r["step"] for r in records[:-1]] == [1, 2]
     assert records[-1]["end"].startswith("error:") and records[-1]["step"] == 2
     ckpt = load_checkpoint(save)
-    assert ckpt.step == 2 and ckpt.weight_hash == records[-2]["weight_hash"]
+    assert ckpt.step == 2 and ckpt.weight_hash == records[-1]["weight_hash"]
 
 
 def test_demo_single_peer_save_dir_removed_mid_run(tmp_path, capsys, monkeypatch) -> None:

@@ -9,7 +9,7 @@ from daisyweb.model import ModelConfig
 from daisyweb.protocol import wire
 from daisyweb.protocol.averaging import GradientError
 from daisyweb.training.config import RunConfig
-from daisyweb.training.loop import train_local
+from daisyweb.training.loop import StepRecord, train_local
 from daisyweb.training.metrics import MetricsWriter, Progress
 from daisyweb.training.state import TrainState
 
@@ -52,7 +52,9 @@ def test_training_lowers_loss_and_writes_metrics(tmp_path) -> None:
     assert losses[-1] < 0.5 * losses[0]
     lines = [json.loads(x) for x in metrics_path.read_text().splitlines()]
     assert [x["step"] for x in lines[:-1]] == list(range(1, 31))
-    assert {"step", "loss", "weight_hash", "tokens_per_s"} <= set(lines[0])
+    assert {"step", "loss", "tokens_per_s", "compute_s"} <= set(lines[0])
+    # Hashed where a group of this run hashes (H = 16), at saves (every 10) and the end.
+    assert [x["step"] for x in lines[:-1] if "weight_hash" in x] == [10, 16, 20, 30]
     assert lines[-1]["end"] == "done" and lines[-1]["weight_hash"] == state.weight_hash()
     assert lines[-2]["weight_hash"] == state.weight_hash()
     ckpt = load_checkpoint(save, expect_model=TINY, expect_tokenizer=TOK)
@@ -161,3 +163,24 @@ def test_run_config_factory_fills_defaults_and_refuses_bad_values() -> None:
         with pytest.raises(ValueError, match=needle) as exc:
             run_config(40, **bad)
         assert "\n" not in str(exc.value)
+
+
+@pytest.mark.parametrize("sync_every", [1, 4])
+def test_a_lone_run_hashes_where_a_group_would_and_each_hash_is_its_steps(
+        sync_every: int) -> None:
+    """Lockstep hashes every step; rounds of 4 every fourth and the last (10 is not a
+    multiple). Each recorded hash is that of the state after its step: a run stopped
+    there ends with the same one."""
+    def run(steps: int) -> RunConfig:
+        return RunConfig(model=TINY, batch=4, steps=steps, lr=1e-2, seed=3,
+                         sync_every=sync_every)
+
+    records: list[StepRecord] = []
+    train_local(TrainState.fresh(run(10)), _fixed_batch, tokenizer=TOK,
+                on_step=records.append)
+    hashed = {r.step: r.weight_hash for r in records if r.weight_hash is not None}
+    assert sorted(hashed) == (list(range(1, 11)) if sync_every == 1 else [4, 8, 10])
+    for step in (4, 10):
+        alone = TrainState.fresh(run(step))
+        train_local(alone, _fixed_batch, tokenizer=TOK)
+        assert hashed[step] == alone.weight_hash()
