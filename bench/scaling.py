@@ -342,7 +342,8 @@ def main() -> None:
                    else "not reached")
         secs = f"{t['reach_s']:.1f}" if t["reach_s"] else "-"
         trial_rows.append(f"| {i + 1} | {t['target']:.3f} | {t['solo']['train_s']:.1f} | "
-                          f"{t['curve']} | {reached} | {secs} | {t['ratio']:.2f}x |")
+                          f"{t['curve']} | {reached} | {secs} | "
+                          + (f"{t['ratio']:.2f}x |" if t["reach_s"] is not None else "- |"))
     md = "\n".join([
         "## A group against one machine (bench.scaling)",
         "",
