@@ -119,11 +119,10 @@ def _peak_vectors(average: Callable[[Iterator[np.ndarray]], np.ndarray]) -> floa
     tracemalloc.start()
     try:
         tracemalloc.reset_peak()
-        out = average(_fresh(grads))
+        average(_fresh(grads))
         _, peak = tracemalloc.get_traced_memory()
     finally:
         tracemalloc.stop()
-    del out
     return peak / (4 * size)
 
 
