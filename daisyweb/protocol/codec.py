@@ -75,7 +75,7 @@ INT8_BLOCK = 256
 _TINY = _F32(np.finfo(np.float32).tiny)  # 2**-126, the smallest normal float32
 _MAX_SCALE = _F32(2.0**120)  # 127 * _MAX_SCALE < 2**127: a decoded value is always finite
 _HALF = _F32(0.5)
-_CHUNK_BLOCKS = 256  # blocks per chunk of encoding and decoding work (256 KiB of float32)
+_CHUNK_VALUES = 1 << 16  # values per chunk of encoding work (256 KiB of float32), whole blocks
 
 
 class Int8Codec:
@@ -114,6 +114,11 @@ class Int8Codec:
     def nblocks(self, size: int) -> int:
         return -(-size // self.block)
 
+    def _chunk(self) -> int:
+        """Values per chunk of encoding work: whole blocks, about ``_CHUNK_VALUES``
+        (per chunk, not per block: int4's small blocks made 80 chunks of Python calls)."""
+        return max(1, _CHUNK_VALUES // self.block) * self.block
+
     def values_size(self, size: int) -> int:
         """Bytes of the values part of a payload of ``size`` values."""
         return size
@@ -137,7 +142,7 @@ class Int8Codec:
         q = np.empty(x.size, np.int8)
         # Whole blocks at a time: every operation is per element or per block, so the
         # bytes are those of the whole vector at once, with temporaries of one chunk.
-        step = self.block * _CHUNK_BLOCKS
+        step = self._chunk()
         for start in range(0, x.size, step):
             stop = min(start + step, x.size)
             first = start // self.block
@@ -151,14 +156,19 @@ class Int8Codec:
 
     def _quantize_blocks(self, x: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         """Scales and integer values of ``x``, whole blocks (the last one may be short)."""
-        x = np.where(np.abs(x) < _TINY, _F32(0.0), x)  # no subnormal reaches the arithmetic
-        blocks = self._blocks(x)
-        m = np.max(np.abs(blocks), axis=1) if blocks.size else np.zeros(0, np.float32)
+        blocks = self._blocks(x) if x.size % self.block else x.reshape(-1, self.block)
+        magnitude = np.abs(blocks)
+        # Subnormals count as 0 without being zeroed first: one never sets a block's
+        # scale (a block whose largest magnitude is subnormal gets scale 0 below either
+        # way), and its q is set to 0 after the arithmetic.
+        m = magnitude.max(axis=1) if blocks.size else np.zeros(0, np.float32)
         scales = m / self._levels
         scales[scales < _TINY] = 0.0
-        zero = scales == 0
-        divisor = np.where(zero, _F32(1.0), scales)[:, None]
-        q = np.floor(blocks / divisor + _HALF)
+        divisor = np.where(scales == 0, _F32(1.0), scales)[:, None]
+        q = np.divide(blocks, divisor)
+        q += _HALF
+        np.floor(q, out=q)
+        np.copyto(q, _F32(0.0), where=magnitude < _TINY)
         # |x / scale| <= L * (1 + 2**-23), so the clamp never binds; it states the range.
         np.clip(q, -self._levels, self._levels, out=q)
         return scales, q.reshape(-1)[: x.size].astype(np.int8)
@@ -167,30 +177,41 @@ class Int8Codec:
         """The values part of the payload."""
         return q.tobytes()
 
-    def _unpack(self, raw: memoryview, size: int, who: str) -> np.ndarray:
-        """The values part as int8 [size], refusing the reserved value."""
-        q = np.frombuffer(raw, dtype=np.int8, count=size)
-        bad = int(np.count_nonzero(q == -128))
+    def _check_values(self, raw: memoryview, size: int, who: str) -> None:
+        """Refuse a values part holding the reserved value."""
+        bad = int(np.count_nonzero(np.frombuffer(raw, dtype=np.int8, count=size) == -128))
         if bad:
             raise GradientError(f"{who}: {bad} int8 values are -128 (reserved)")
-        return q
+
+    def _values(self, raw: memoryview, size: int) -> np.ndarray:
+        """``f32(q)`` of a checked values part: a new float32 array of ``size``."""
+        return np.frombuffer(raw, dtype=np.int8, count=size).astype(np.float32)
+
+    def _scale(self, values: np.ndarray, scales: np.ndarray) -> None:
+        """``values *= scale`` of each one's block, in place: ``f32(q) * scale``."""
+        full = values.size // self.block
+        whole = full * self.block
+        values[:whole].reshape(full, self.block)[...] *= scales[:full, None]
+        if values.size > whole:
+            values[whole:] *= scales[full]
 
     def encode(self, vector: np.ndarray) -> bytes:
         scales, q = self.quantize(vector)
         return scales.tobytes() + self._pack(q)
 
+    def encode_decoded(self, vector: np.ndarray) -> tuple[bytes, np.ndarray]:
+        """``(payload, decode(payload))`` without unpacking the payload again: the decoded
+        vector is made from the integer values the encoding produced (the same
+        ``f32(q) * scale``, so the same bits)."""
+        scales, q = self.quantize(vector)
+        decoded = q.astype(np.float32)
+        self._scale(decoded, scales)
+        return scales.tobytes() + self._pack(q), decoded
+
     def decode(self, payload: bytes, size: int, who: str = "payload") -> np.ndarray:
-        scales, q = self._checked(payload, size, who)
-        # f32(q) * scale per element, a chunk of whole blocks at a time (no temporaries
-        # of the vector's size).
-        out = np.empty(size, np.float32)
-        step = self.block * _CHUNK_BLOCKS
-        for start in range(0, size, step):
-            stop = min(start + step, size)
-            first, last = start // self.block, -(-stop // self.block)
-            np.multiply(q[start:stop].astype(np.float32),
-                        np.repeat(scales[first:last], self.block)[: stop - start],
-                        out=out[start:stop])
+        scales, raw = self._checked(payload, size, who)
+        out = self._values(raw, size)
+        self._scale(out, scales)
         return check_gradient(out, size, who)
 
     def check(self, payload: bytes, size: int, who: str = "payload") -> None:
@@ -199,8 +220,8 @@ class Int8Codec:
         to finite float32, see the class docstring)."""
         self._checked(payload, size, who)
 
-    def _checked(self, payload: bytes, size: int, who: str) -> tuple[np.ndarray, np.ndarray]:
-        """The payload's scales (float32) and integer values (int8), validated."""
+    def _checked(self, payload: bytes, size: int, who: str) -> tuple[np.ndarray, memoryview]:
+        """The payload's scales (float32) and its values part, validated."""
         nb = self.nblocks(size)
         want = self.payload_size(size)
         if len(payload) != want:
@@ -219,8 +240,9 @@ class Int8Codec:
         bad = int(np.count_nonzero(scales > _MAX_SCALE))
         if bad:
             raise GradientError(f"{who}: {bad} {self.name} scales above 2**120")
-        q = self._unpack(memoryview(payload)[4 * nb:], size, who)
-        return scales, q
+        raw = memoryview(payload)[4 * nb:]
+        self._check_values(raw, size, who)
+        return scales, raw
 
     def encoder(self, size: int) -> ErrorFeedbackEncoder:
         """A sender's stateful encoder for vectors of ``size``: this codec + error feedback."""
@@ -256,19 +278,39 @@ class Int4Codec(Int8Codec):
         np.bitwise_and(q.view(np.uint8), 0x0F, out=nibbles[: q.size])
         return (nibbles[0::2] | (nibbles[1::2] << 4)).tobytes()
 
-    def _unpack(self, raw: memoryview, size: int, who: str) -> np.ndarray:
+    def _check_values(self, raw: memoryview, size: int, who: str) -> None:
         packed = np.frombuffer(raw, dtype=np.uint8, count=self.values_size(size))
         if size % 2 and packed[-1] >> 4:
             raise GradientError(f"{who}: the int4 padding nibble is not 0")
-        q = np.empty(2 * packed.size, np.int8)
-        # sign-extend each nibble: shift it to the top of an int8, then arithmetic-shift
-        np.right_shift(np.left_shift(packed, 4).view(np.int8), 4, out=q[0::2])
-        np.right_shift(packed.view(np.int8), 4, out=q[1::2])
-        q = q[:size]
-        bad = int(np.count_nonzero(q == -8))
+        # -8 is nibble 0b1000, in either half of a byte (a padding nibble is 0 by now)
+        bad = int(np.count_nonzero((packed & 0x0F) == 8)) + int(np.count_nonzero(
+            (packed >> 4) == 8))
         if bad:
             raise GradientError(f"{who}: {bad} int4 values are -8 (reserved)")
-        return q
+
+    def _values(self, raw: memoryview, size: int) -> np.ndarray:
+        packed = np.frombuffer(raw, dtype=np.uint8, count=self.values_size(size))
+        out = np.empty(size, np.float32)
+        pairs = size // 2
+        # Each byte looked up as its two values (low nibble first) in one gather.
+        np.take(_INT4_PAIRS, packed[:pairs], axis=0, out=out[: 2 * pairs].reshape(pairs, 2))
+        if size % 2:
+            out[-1] = _INT4_PAIRS[packed[-1], 0]
+        return out
+
+
+def _int4_pairs() -> np.ndarray:
+    """float32 [256, 2]: byte -> (its low nibble's value, its high nibble's value), each
+    nibble a 4-bit two's complement integer."""
+    nibble = np.arange(16)
+    value = np.where(nibble > 7, nibble - 16, nibble).astype(np.float32)
+    byte = np.arange(256)
+    pairs = np.stack([value[byte & 0x0F], value[byte >> 4]], axis=1)
+    pairs.flags.writeable = False
+    return pairs
+
+
+_INT4_PAIRS = _int4_pairs()
 
 
 class ErrorFeedback:
@@ -291,8 +333,12 @@ class ErrorFeedback:
         """``(payload, what every member decodes it to)``; the residual moves only on success."""
         x = check_gradient(vector, self.size, "vector")
         target = x + self.residual
-        payload = codec.encode(target)
-        decoded = codec.decode(payload, self.size, "own payload")
+        both = getattr(codec, "encode_decoded", None)
+        if both is not None:
+            payload, decoded = both(target)
+        else:
+            payload = codec.encode(target)
+            decoded = codec.decode(payload, self.size, "own payload")
         # target - decoded, into target's own buffer (a temporary): the same values
         self.residual = np.subtract(target, decoded, out=target)
         return payload, decoded

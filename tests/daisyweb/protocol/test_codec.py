@@ -636,3 +636,30 @@ def test_int4_error_feedback_sum_tracks_the_true_sum() -> None:
         assert decoded.tobytes() == INT4.decode(payload, size).tobytes()
     # what all rounds' bytes carried differs from the true sum by the last residual only
     assert np.allclose(sent_sum + ef.residual, true_sum, rtol=1e-5, atol=1e-9)
+
+
+def test_int4_decodes_every_byte_as_its_two_nibbles() -> None:
+    """The decode's byte -> (low, high) lookup against the slow nibble-by-nibble reading,
+    for every byte that holds no reserved -8, at scale 1 and an odd size (padding)."""
+    values = bytes(b for b in range(256) if b & 0x0F != 8 and b >> 4 != 8)
+    size = 2 * len(values) - 1  # the last byte's high nibble is padding: 0 there
+    packed = values[:-1] + bytes([values[-1] & 0x0F if values[-1] & 0x0F != 8 else 0])
+    payload = np.ones(INT4.nblocks(size), "<f4").tobytes() + packed
+    out = INT4.decode(payload, size)
+    assert out.tobytes() == _nibbles(payload, size).astype(np.float32).tobytes()
+
+
+@pytest.mark.parametrize("codec", [INT8, INT4], ids=["int8", "int4"])
+@pytest.mark.parametrize("size", [0, 1, 7, B4 + 1, 3 * B + 17, 70_000])
+def test_encode_decoded_is_the_encoding_and_the_decode_of_its_bytes(
+        codec: Int8Codec, size: int) -> None:
+    """A sender's own decoded vector is made from its integer values, not by unpacking
+    its payload again: it must be that payload's decode, bit for bit (ragged last
+    blocks, odd sizes, several chunks, zero and subnormal blocks included)."""
+    x = _vec(size, seed=8)
+    x[: min(size, codec.block)] = 0.0
+    x[codec.block : min(size, 2 * codec.block)] = np.finfo(np.float32).tiny / 3
+    payload, decoded = codec.encode_decoded(x)
+    assert payload == codec.encode(x)
+    assert decoded.dtype == np.float32 and decoded.shape == (size,)
+    assert decoded.tobytes() == codec.decode(payload, size).tobytes()
