@@ -290,24 +290,22 @@ class Int4Codec(Int8Codec):
 
     def _values(self, raw: memoryview, size: int) -> np.ndarray:
         packed = np.frombuffer(raw, dtype=np.uint8, count=self.values_size(size))
-        out = np.empty(size, np.float32)
-        pairs = size // 2
-        # Each byte looked up as its two values (low nibble first) in one gather.
-        np.take(_INT4_PAIRS, packed[:pairs], axis=0, out=out[: 2 * pairs].reshape(pairs, 2))
-        if size % 2:
-            out[-1] = _INT4_PAIRS[packed[-1], 0]
-        return out
+        # Each byte looked up as its two values (low nibble first), one 8-byte table entry
+        # per byte (indexing, not np.take: about 3x faster here); an odd size leaves the
+        # padding nibble's 0 past the end.
+        return _INT4_PAIRS[packed].view(np.float32)[:size]
 
 
 def _int4_pairs() -> np.ndarray:
-    """float32 [256, 2]: byte -> (its low nibble's value, its high nibble's value), each
-    nibble a 4-bit two's complement integer."""
+    """uint64 [256]: byte -> its low nibble's value then its high nibble's value as two
+    float32 (native byte order), each nibble a 4-bit two's complement integer."""
     nibble = np.arange(16)
     value = np.where(nibble > 7, nibble - 16, nibble).astype(np.float32)
     byte = np.arange(256)
-    pairs = np.stack([value[byte & 0x0F], value[byte >> 4]], axis=1)
-    pairs.flags.writeable = False
-    return pairs
+    pairs = np.ascontiguousarray(np.stack([value[byte & 0x0F], value[byte >> 4]], axis=1))
+    table = pairs.view(np.uint64).reshape(256)
+    table.flags.writeable = False
+    return table
 
 
 _INT4_PAIRS = _int4_pairs()
