@@ -22,12 +22,16 @@ from pathlib import Path
 from bench._netns import run_isolated
 from bench._results import machine, write_section
 from daisyweb.model import ModelConfig, param_count
+from daisyweb.rules import DEFAULTS
 
 BATCH, SEQ = 8, 64
 TRANSPORTS = ("aiortc", "libwebrtc")
-# (label, demo flags, steps): lockstep f32 is where the link matters most
+H = int(DEFAULTS["sync_every"])
+# (label, demo flags, steps): lockstep f32 is where the link matters most; the second row
+# is the demo's default mode (its label from the defaults: it said H=32 int8 after the
+# default moved to H=16 int4)
 MODES = (("lockstep f32", ["--sync-every", "1", "--codec", "f32"], 8),
-         ("rounds H=32 int8", [], 96))
+         (f"rounds H={H} {DEFAULTS['codec']} (default)", [], 6 * H))
 
 
 def run_group(peers: int, steps: int, transport: str, flags: list[str]) -> list[dict]:
@@ -77,7 +81,7 @@ def main() -> None:
         "",
         f"`daisyweb-demo --peers N --transport T` at the default model ({params:,} "
         f"parameters, batch {BATCH} x seq {SEQ} per peer), medians over the leader's "
-        "commits after the first (a commit is a step in lockstep, a round of 32 steps "
+        f"commits after the first (a commit is a step in lockstep, a round of {H} steps "
         "otherwise). `comm_s`: from the local contribution being ready to the roster's "
         "all present; `compute_s`: forward + backward + Adam (+ hashes). Bytes: this "
         "peer's own encoded contributions (one payload, sent to each other member).",
