@@ -8,9 +8,9 @@ middle of the run, each thread's CPU time is read from ``/proc/PID/task/TID/stat
 training thread (the one computing steps), the event loop (the main thread: the
 transport's Python side, framing, and each round's encode, decodes, average and hash)
 and any other (libwebrtc's own network thread). One peer alone
-(``daisyweb-demo --peers 1``) is measured the same way, and the group's step time (a
-round's wall time over its steps, after the first round) is set against one peer's
-(its steps' compute time, ``bench.scaling``'s baseline).
+(``daisyweb-demo --peers 1``) is measured the same way, before and after the group,
+and the group's step time (a round's wall time over its steps, after the first round)
+is set against one peer's (its steps' compute time, ``bench.scaling``'s baseline).
 
 Then the per-round work on vectors of the demo default's size, each operation timed
 alone in a process of its own pinned to one core (median of 30).
@@ -90,11 +90,30 @@ def _window(pid: int, seconds: float) -> dict[str, float]:
     return shares(pid, before, thread_cpu(pid), time.monotonic() - t0)
 
 
+def one_peer(env: dict[str, str], steps: int, window: float, tmp: Path, tag: str
+             ) -> tuple[dict[str, float], float]:
+    """One peer alone on core 0: its thread shares and its mean step compute time."""
+    metrics = tmp / f"{tag}.jsonl"
+    solo = subprocess.Popen(
+        ["taskset", "-c", "0", sys.executable, "-m", "daisyweb.cli.demo", "--peers", "1",
+         "--steps", str(steps), "--metrics", str(metrics)],
+        cwd=tmp, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+    _wait_step(metrics, steps // 3, [solo], 600)
+    alone = _window(solo.pid, window)
+    if solo.wait(timeout=900) != 0:
+        raise SystemExit(f"one peer alone failed:\n{solo.stderr.read().decode()[-2000:]}")
+    recs = [r for r in records(metrics) if "compute_s" in r]
+    return alone, sum(r["compute_s"] for r in recs) / len(recs)
+
+
 def inner(transport: str, steps: int, tmp: Path) -> dict:
-    """One transport (inside the namespace): the follower's thread shares and the group's
-    step time, then one peer alone on core 0."""
+    """One transport (inside the namespace): one peer alone, the group (the follower's
+    thread shares, the leader's step time), one peer alone again. This machine's speed
+    drifts by several percent over minutes, so one peer's step time is the mean of the
+    runs before and after the group's."""
     env = dict(ENV, DAISYWEB_TRANSPORT=transport)
     window = max(2.0, steps * 0.05 / 3)  # about a third of the run
+    alone, before = one_peer(env, steps, window, tmp, "solo-before")
     lead_metrics = tmp / f"{transport}-lead.jsonl"
     with signaling_server(tmp) as url:
         base = peer_command(url, f"cores-{transport}")
@@ -119,19 +138,9 @@ def inner(transport: str, steps: int, tmp: Path) -> dict:
     rounds = [r for r in records(lead_metrics) if "round" in r][1:]  # the first warms up
     group_step = sum(r["wall_s"] for r in rounds) / (rounds[-1]["step"] - rounds[0]["step"]
                                                      + H)
-    solo_metrics = tmp / f"{transport}-solo.jsonl"
-    solo = subprocess.Popen(
-        ["taskset", "-c", "0", sys.executable, "-m", "daisyweb.cli.demo", "--peers", "1",
-         "--steps", str(steps), "--metrics", str(solo_metrics)],
-        cwd=tmp, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
-    _wait_step(solo_metrics, steps // 3, [solo], 600)
-    alone = _window(solo.pid, window)
-    if solo.wait(timeout=900) != 0:
-        raise SystemExit(f"one peer alone failed:\n{solo.stderr.read().decode()[-2000:]}")
-    solo_recs = [r for r in records(solo_metrics) if "compute_s" in r]
-    solo_step = sum(r["compute_s"] for r in solo_recs) / len(solo_recs)
+    _, after = one_peer(env, steps, window, tmp, "solo-after")
     return {"follower": follower, "alone": alone, "group_step": group_step,
-            "solo_step": solo_step}
+            "solo_step": (before + after) / 2, "solo_steps": [before, after]}
 
 
 def scenario(transport: str, steps: int) -> dict:
@@ -209,7 +218,9 @@ def main() -> None:
             other = ", ".join(f"{k} {v:.1%}" for k, v in cpu.items()
                               if k not in ("training", "event loop") and v >= 0.0005) or "-"
             group = run.startswith("two")
-            ratio = f"{r['group_step'] / r['solo_step']:.3f}x" if group else ""
+            ratio = f"{r['group_step'] / r['solo_step']:.3f}x" if group else (
+                "runs before / after the group: " + " / ".join(
+                    f"{x * 1e3:.1f}" for x in r["solo_steps"]) + " ms")
             loop = f"{cpu['event loop']:.1%}" if group else "- (trains in its main thread)"
             rows.append(f"| {transport} | {run} | {cpu['training']:.1%} | {loop} | {other} | "
                         f"{step * 1e3:.1f} | {ratio} |")
@@ -235,7 +246,9 @@ def main() -> None:
         "of the run, after the first two rounds (the follower's; the leader's is the "
         "same work). One peer alone (`daisyweb-demo --peers 1`, core 0) the same way. "
         "Step ms: the group's round wall time over its steps after the first round; one "
-        "peer's, its steps' compute time (bench.scaling's baseline).",
+        "peer's, its steps' compute time (bench.scaling's baseline), the mean of a run "
+        "before and one after the group's (this machine's speed drifts by several "
+        "percent over minutes: compare the thread shares, not small step-time ratios).",
         "",
         *rows,
         "",
