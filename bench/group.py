@@ -28,8 +28,7 @@ BATCH, SEQ = 8, 64
 TRANSPORTS = ("aiortc", "libwebrtc")
 H = int(DEFAULTS["sync_every"])
 # (label, demo flags, steps): lockstep f32 is where the link matters most; the second row
-# is the demo's default mode (its label from the defaults: it said H=32 int8 after the
-# default moved to H=16 int4)
+# is the demo's default mode, labelled from the defaults so the label follows them
 MODES = (("lockstep f32", ["--sync-every", "1", "--codec", "f32"], 8),
          (f"rounds H={H} {DEFAULTS['codec']} (default)", [], 6 * H))
 
