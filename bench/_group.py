@@ -15,7 +15,7 @@ import socket
 import subprocess
 import sys
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 
 ENV = dict(os.environ, OPENBLAS_NUM_THREADS="1", PYTHONUNBUFFERED="1",
@@ -64,9 +64,12 @@ def peer_command(server: str, room: str) -> list[str]:
 
 
 def run_pinned(peers: Sequence[tuple[list[str], dict[str, str]]], cwd: Path,
-               tag: str) -> None:
+               tag: str, during: Callable[[list[subprocess.Popen[bytes]]], None] | None = None
+               ) -> None:
     """Run each (command, env) pinned to core i; the first (the leader, the room's host)
-    gets a second's head start. SystemExit naming the run if any peer fails."""
+    gets a second's head start. ``during(processes)``, if given, runs once all are
+    started, before waiting for them (a benchmark measuring them while they train).
+    SystemExit naming the run if any peer fails."""
     procs: list[subprocess.Popen[bytes]] = []
     try:
         for core, (cmd, env) in enumerate(peers):
@@ -75,6 +78,8 @@ def run_pinned(peers: Sequence[tuple[list[str], dict[str, str]]], cwd: Path,
                                           stderr=subprocess.PIPE))
             if core == 0:
                 time.sleep(1.0)  # the room's first peer is its host
+        if during is not None:
+            during(procs)
         for p in procs:
             _, err = p.communicate(timeout=3600)
             if p.returncode != 0:

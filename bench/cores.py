@@ -32,7 +32,7 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
-from bench._group import ENV, peer_command, records, signaling_server
+from bench._group import ENV, peer_command, records, run_pinned, signaling_server
 from bench._netns import run_isolated
 from bench._results import machine, write_section
 from daisyweb.rules import DEFAULTS
@@ -115,26 +115,17 @@ def inner(transport: str, steps: int, tmp: Path) -> dict:
     window = max(2.0, steps * 0.05 / 3)  # about a third of the run
     alone, before = one_peer(env, steps, window, tmp, "solo-before")
     lead_metrics = tmp / f"{transport}-lead.jsonl"
+    follower: dict[str, float] = {}
+
+    def measure(procs: list[subprocess.Popen[bytes]]) -> None:
+        _wait_step(lead_metrics, min(2 * H, steps // 3), procs, 600)
+        follower.update(_window(procs[1].pid, window))
+
     with signaling_server(tmp) as url:
         base = peer_command(url, f"cores-{transport}")
-        lead = ["taskset", "-c", "0", *base, "--start", "--wait-peers", "2",
-                "--steps", str(steps), "--metrics", str(lead_metrics)]
-        procs = [subprocess.Popen(lead, cwd=tmp, env=env, stdout=subprocess.DEVNULL,
-                                  stderr=subprocess.PIPE)]
-        time.sleep(1.0)  # the room's first peer is its host
-        procs.append(subprocess.Popen(["taskset", "-c", "1", *base], cwd=tmp, env=env,
-                                      stdout=subprocess.DEVNULL, stderr=subprocess.PIPE))
-        try:
-            _wait_step(lead_metrics, min(2 * H, steps // 3), procs, 600)
-            follower = _window(procs[1].pid, window)
-            for p in procs:
-                _, err = p.communicate(timeout=900)
-                if p.returncode != 0:
-                    raise SystemExit(f"{transport}: a peer failed:\n{err.decode()[-2000:]}")
-        finally:
-            for p in procs:
-                if p.poll() is None:
-                    p.kill()
+        lead = base + ["--start", "--wait-peers", "2", "--steps", str(steps),
+                       "--metrics", str(lead_metrics)]
+        run_pinned([(lead, env), (base, env)], tmp, transport, during=measure)
     rounds = [r for r in records(lead_metrics) if "round" in r][1:]  # the first warms up
     group_step = sum(r["wall_s"] for r in rounds) / (rounds[-1]["step"] - rounds[0]["step"]
                                                      + H)
