@@ -126,15 +126,20 @@ class _Scalars:
 class DaisyAdam:
     """AdamW over one flat, C-contiguous float32 buffer of ``size`` elements."""
 
-    def __init__(self, config: AdamConfig, size: int) -> None:
+    def __init__(self, config: AdamConfig, size: int, state: dict[str, Any] | None = None,
+                 copy: bool = True) -> None:
+        """A fresh optimizer (zero moments, step 0), or with ``state`` one holding it, as
+        :meth:`load_state_dict` (``copy`` as there) would leave it: the zero moments are
+        then never made, which would hold 8P bytes for nothing while the state is copied."""
         if not isinstance(config, AdamConfig):
             raise TypeError("config must be an AdamConfig")
         if isinstance(size, bool) or not isinstance(size, int) or size < 0:
             raise ValueError(f"size must be a non-negative int, got {size!r}")
         self.config = config
         self.size = size
-        self.m = np.zeros(size, dtype=np.float32)
-        self.v = np.zeros(size, dtype=np.float32)
+        empty = state is not None  # moments come from ``state`` below
+        self.m = np.zeros(0 if empty else size, dtype=np.float32)
+        self.v = np.zeros(0 if empty else size, dtype=np.float32)
         # The step counter is ``step_count`` (``step`` is the update method); it is
         # exported as ``"step"`` by state_dict().
         self.step_count = 0
@@ -145,6 +150,8 @@ class DaisyAdam:
         chunk = min(size, _CHUNK)
         self._scratch = [(np.empty(chunk, np.float32), np.empty(chunk, np.float32),
                           np.empty(chunk, np.bool_)) for _ in range(2)]
+        if state is not None:
+            self.load_state_dict(state, copy=copy)
 
     def _check_buffer(self, name: str, arr: Any, writable: bool) -> np.ndarray:
         if not isinstance(arr, np.ndarray):

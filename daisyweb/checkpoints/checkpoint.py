@@ -249,8 +249,7 @@ def _restore(adam: Any, size: int, copy: bool = True) -> DaisyAdam:
         raise _err("adam state has no 'config' dict", "the file is damaged; use another one")
     _check_adam_values(adam, cfg)
     try:
-        opt = DaisyAdam(AdamConfig(**cfg), size)
-        opt.load_state_dict(adam, copy=copy)
+        opt = DaisyAdam(AdamConfig(**cfg), size, adam, copy=copy)
     except (TypeError, ValueError) as exc:
         raise _err(f"adam state is inconsistent: {exc}",
                    "the optimizer state was damaged; use another checkpoint") from None

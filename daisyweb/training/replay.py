@@ -52,9 +52,7 @@ def replay_hashes(
 ) -> list[str]:
     """Weight hash after every step (``[0]`` is after the first step)."""
     params = np.array(initial_params, dtype=np.float32, copy=True)
-    opt = DaisyAdam(adam_config, params.size)
-    if optimizer_state is not None:
-        opt.load_state_dict(optimizer_state)
+    opt = DaisyAdam(adam_config, params.size, optimizer_state)
     out: list[str] = []
     for i, spec in enumerate(steps):
         opt.step(params, _combine(spec, params.size, f"step {i}"))
@@ -71,9 +69,7 @@ def replay(
     """Final weight hash of the replayed run (the initial hash if ``steps`` is empty)."""
     if not steps:
         params = np.array(initial_params, dtype=np.float32, copy=True)
-        opt = DaisyAdam(adam_config, params.size)
-        if optimizer_state is not None:
-            opt.load_state_dict(optimizer_state)
+        opt = DaisyAdam(adam_config, params.size, optimizer_state)
         return weight_hash(params, opt)
     return replay_hashes(initial_params, adam_config, steps, optimizer_state)[-1]
 

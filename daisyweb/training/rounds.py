@@ -258,18 +258,18 @@ class RoundTrainer:
         """
         state = self.state
         anchor = state.params
-        optimizer = DaisyAdam(state.optimizer.config, state.size)
+        config = state.optimizer.config
         if head is not None and head.index == index:
             progress, inner = head.take()
             # anchor - progress, into the progress buffer: the same float32 subtraction
             local = np.subtract(anchor, progress, out=progress)
-            optimizer.load_state_dict(inner, copy=False)
+            optimizer = DaisyAdam(config, state.size, inner, copy=False)
             del progress, inner
             done, total_loss = head.steps, head.loss_sum
         else:
             local = anchor.copy()
             # One copy of the committed moments (never changed in place: see apply).
-            optimizer.load_state_dict(state.optimizer.state_dict(copy=False))
+            optimizer = DaisyAdam(config, state.size, state.optimizer.state_dict(copy=False))
             done, total_loss = 0, 0.0
         n = self.steps_in(index)
         total_loss += self._local_steps(local, optimizer, index, range(done, n), batch)
@@ -290,8 +290,8 @@ class RoundTrainer:
                 or previous.inner is None:
             return None
         local = previous.local.copy()
-        optimizer = DaisyAdam(self.state.optimizer.config, self.state.size)
-        optimizer.load_state_dict(previous.inner)  # a copy: the staged state stays intact
+        # a copy of the moments: the staged state stays intact
+        optimizer = DaisyAdam(self.state.optimizer.config, self.state.size, previous.inner)
         loss_sum = self._local_steps(local, optimizer, index, range(k), batch)
         # base - w_k into the weights' own buffer (they are not needed any more)
         progress = np.subtract(previous.local, local, out=local)
