@@ -1,6 +1,7 @@
 import subprocess
 import sys
 import textwrap
+import tracemalloc
 
 import numpy as np
 import pytest
@@ -259,8 +260,6 @@ def test_an_optimizer_built_from_a_state_is_that_state_without_zero_moments():
     """``DaisyAdam(config, size, state)`` is a fresh one after ``load_state_dict(state)``
     (the same refusals), and never makes the zero moments a fresh one starts from: at
     the demo default those are 10.6 MB held for nothing at every round boundary."""
-    import tracemalloc
-
     cfg = AdamConfig(lr=1e-2, weight_decay=0.01)
     params, grads = _init(), _grads(4, 8)
     opt = DaisyAdam(cfg, SIZE)
