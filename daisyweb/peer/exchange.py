@@ -5,7 +5,8 @@ from __future__ import annotations
 
 import numpy as np
 
-from daisyweb.protocol.codec import Codec, check_payload, codec_by_name
+from daisyweb.protocol.averaging import Parts
+from daisyweb.protocol.codec import Codec, check_payload, codec_by_name, decode_parts
 from daisyweb.training.config import RunConfig
 from daisyweb.training.rounds import LockstepTrainer, RoundTrainer, round_count
 from daisyweb.training.state import TrainState
@@ -45,6 +46,9 @@ class RecordingEncoder:
 
     def check(self, payload: bytes, size: int, who: str = "payload") -> None:
         check_payload(self._codec, payload, size, who)
+
+    def decode_parts(self, payload: bytes, size: int, who: str = "payload") -> Parts:
+        return decode_parts(self._codec, payload, size, who)
 
 
 def mode(run: RunConfig) -> str:

@@ -241,8 +241,8 @@ class Replica:
     def size(self) -> int:
         return self.trainer.size
 
-    def apply(self, average: np.ndarray) -> None:
-        self.trainer.apply(average)
+    def apply(self, average: np.ndarray, *, owned: bool = False) -> None:
+        self.trainer.apply(average, owned=owned)
         self.faults.after_apply(self.trainer)
 
     def weight_hash(self) -> str:

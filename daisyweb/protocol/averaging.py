@@ -9,11 +9,15 @@ order, then one multiplication by ``float32(1 / n)`` (computed in binary64, roun
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable, Iterator, Sequence, Sized
+from itertools import zip_longest
 
 import numpy as np
 
 __all__ = ["GradientError", "check_gradient", "average_in_roster_order",
-           "weighted_average_in_roster_order"]
+           "average_parts_in_roster_order", "weighted_average_in_roster_order"]
+
+Parts = Iterator[tuple[slice, np.ndarray]]
+"""A vector given part by part, in order: ``(where, values)`` (a codec's ``decode_parts``)."""
 
 _F32 = np.dtype(np.float32)
 
@@ -107,6 +111,60 @@ def weighted_average_in_roster_order(grads: Iterable[np.ndarray], shares: Sequen
     if total is None or count != len(shares):
         raise GradientError(f"{len(shares)} shares for {count} contributions")
     np.multiply(total, np.float32(1.0 / sum(int(n) for n in shares)), out=total)
+    return total
+
+
+def average_parts_in_roster_order(parts: Sequence[Parts], size: int,
+                                  shares: Sequence[int] = ()) -> np.ndarray:
+    """What :func:`weighted_average_in_roster_order` (``shares`` given and unequal) or
+    :func:`average_in_roster_order` (otherwise) computes from the whole vectors, bit for
+    bit, from vectors given part by part: every member's part of one range is added in
+    roster order before the next range is read.
+
+    Each element sees the same float32 operations in the same order as there (the first
+    value, times its share if weighted; each next one added; one multiplication by
+    ``f32(1/n)`` or ``f32(1/T)``), so the result is the same; but only the sum and one
+    part of each member are held, never a whole decoded vector besides the sum (5.3 MB
+    less at a commit of the demo default). Every member must yield the same ranges,
+    together covering ``0 .. size`` in order.
+    """
+    if not parts:
+        raise GradientError("cannot average an empty roster")
+    weighted = len(set(int(n) for n in shares)) > 1
+    if weighted or shares:
+        if any(isinstance(n, bool) or not isinstance(n, (int, np.integer)) or n < 1
+               for n in shares):
+            raise GradientError("shares must be positive integers")
+        if len(shares) != len(parts):
+            raise GradientError(f"{len(shares)} shares for {len(parts)} contributions")
+    weights = [np.float32(n) for n in shares] if weighted else None
+    total = np.empty(size, np.float32)
+    done = 0
+    for row in zip_longest(*parts):
+        if any(part is None for part in row):
+            raise GradientError("contributions of different lengths")
+        where = row[0][0]
+        if where.start != done or where.stop > size or where.stop <= where.start:
+            raise GradientError(f"a part covers {where.start}..{where.stop}, "
+                                f"expected one from {done}")
+        out = total[where]
+        for k, (at, values) in enumerate(row):
+            if at != where:
+                raise GradientError("members' parts cover different ranges")
+            _check_same(values, out)
+            if weights is not None:
+                values = np.multiply(values, weights[k], out=values)
+            if k == 0:
+                out[...] = values
+            else:
+                np.add(out, values, out=out)
+        done = where.stop
+    if done != size:
+        raise GradientError(f"contributions cover {done} of {size} values")
+    if weights is not None:
+        np.multiply(total, np.float32(1.0 / sum(int(n) for n in shares)), out=total)
+    elif len(parts) > 1:
+        np.multiply(total, np.float32(1.0 / len(parts)), out=total)
     return total
 
 

@@ -16,15 +16,16 @@ a round delta lose so many bits and the run train as well (``docs/limits.md``, 2
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from typing import Protocol
 
 import numpy as np
 
-from daisyweb.protocol.averaging import GradientError, check_gradient
+from daisyweb.protocol.averaging import GradientError, Parts, check_gradient
 
 __all__ = ["Codec", "F32Codec", "F32", "Int8Codec", "INT8", "Int4Codec", "INT4",
            "ErrorFeedback",
-           "ErrorFeedbackEncoder", "check_payload", "codec_by_name", "CODECS"]
+           "ErrorFeedbackEncoder", "check_payload", "codec_by_name", "decode_parts", "CODECS"]
 
 _F32 = np.float32
 
@@ -54,6 +55,10 @@ class F32Codec:
         if len(payload) != 4 * size:
             raise GradientError(f"{who}: expected {size} values, got {len(payload)} bytes")
         return check_gradient(np.frombuffer(payload, dtype="<f4").astype(np.float32), size, who)
+
+    def decode_parts(self, payload: bytes, size: int, who: str = "payload") -> Parts:
+        self.check(payload, size, who)
+        return _f32_parts(payload, size)
 
     def check(self, payload: bytes, size: int, who: str = "payload") -> None:
         """What :meth:`decode` refuses, checked on the bytes in place (no vector made)."""
@@ -185,7 +190,12 @@ class Int8Codec:
 
     def _values(self, raw: memoryview, size: int) -> np.ndarray:
         """``f32(q)`` of a checked values part: a new float32 array of ``size``."""
-        return np.frombuffer(raw, dtype=np.int8, count=size).astype(np.float32)
+        return self._values_range(raw, 0, size)
+
+    def _values_range(self, raw: memoryview, start: int, stop: int) -> np.ndarray:
+        """``f32(q)`` of values ``start .. stop`` (``start`` even for int4): a new array."""
+        return np.frombuffer(raw, dtype=np.int8, count=stop - start,
+                             offset=start).astype(np.float32)
 
     def _scale(self, values: np.ndarray, scales: np.ndarray) -> None:
         """``values *= scale`` of each one's block, in place: ``f32(q) * scale``."""
@@ -213,6 +223,19 @@ class Int8Codec:
         out = self._values(raw, size)
         self._scale(out, scales)
         return check_gradient(out, size, who)
+
+    def decode_parts(self, payload: bytes, size: int, who: str = "payload") -> Parts:
+        scales, raw = self._checked(payload, size, who)
+        return self._parts(scales, raw, size)
+
+    def _parts(self, scales: np.ndarray, raw: memoryview, size: int) -> Parts:
+        step = self._chunk()
+        step *= 1 + step % 2  # int4 packs two values a byte: parts start on a byte
+        for start in range(0, size, step):
+            stop = min(start + step, size)
+            values = self._values_range(raw, start, stop)
+            self._scale(values, scales[start // self.block:])
+            yield slice(start, stop), values
 
     def check(self, payload: bytes, size: int, who: str = "payload") -> None:
         """What :meth:`decode` refuses, without making the vector: the scales and values
@@ -288,12 +311,13 @@ class Int4Codec(Int8Codec):
         if bad:
             raise GradientError(f"{who}: {bad} int4 values are -8 (reserved)")
 
-    def _values(self, raw: memoryview, size: int) -> np.ndarray:
-        packed = np.frombuffer(raw, dtype=np.uint8, count=self.values_size(size))
+    def _values_range(self, raw: memoryview, start: int, stop: int) -> np.ndarray:
+        first, last = start // 2, self.values_size(stop)
+        packed = np.frombuffer(raw, dtype=np.uint8, count=last - first, offset=first)
         # Each byte looked up as its two values (low nibble first), one 8-byte table entry
         # per byte (indexing, not np.take: about 3x faster here); an odd size leaves the
         # padding nibble's 0 past the end.
-        return _INT4_PAIRS[packed].view(np.float32)[:size]
+        return _INT4_PAIRS[packed].view(np.float32)[: stop - start]
 
 
 def _int4_pairs() -> np.ndarray:
@@ -369,6 +393,17 @@ class ErrorFeedbackEncoder:
     def check(self, payload: bytes, size: int, who: str = "payload") -> None:
         check_payload(self.codec, payload, size, who)
 
+    def decode_parts(self, payload: bytes, size: int, who: str = "payload") -> Parts:
+        return decode_parts(self.codec, payload, size, who)
+
+
+def _f32_parts(payload: bytes, size: int) -> Iterator[tuple[slice, np.ndarray]]:
+    """A checked float32 payload's values, ``_CHUNK_VALUES`` at a time (new arrays)."""
+    for start in range(0, size, _CHUNK_VALUES):
+        stop = min(start + _CHUNK_VALUES, size)
+        yield slice(start, stop), np.frombuffer(payload, dtype="<f4", count=stop - start,
+                                                offset=4 * start).astype(np.float32)
+
 
 F32 = F32Codec()
 INT8 = Int8Codec()
@@ -385,6 +420,18 @@ def check_payload(codec: Codec, payload: bytes, size: int, who: str = "payload")
         codec.decode(payload, size, who)
     else:
         check(payload, size, who)
+
+
+def decode_parts(codec: Codec, payload: bytes, size: int, who: str = "payload") -> Parts:
+    """What ``codec.decode`` returns, in order, as ``(where, values)`` parts (new arrays
+    the caller may write; the payload validated before the first is given): about
+    ``_CHUNK_VALUES`` values each where the codec can (``decode_parts``), else one. The
+    ranges depend only on the codec and ``size``, so members' parts line up
+    (``averaging.average_parts_in_roster_order``)."""
+    parts = getattr(codec, "decode_parts", None)
+    if parts is not None:
+        return parts(payload, size, who)
+    return iter([(slice(0, size), codec.decode(payload, size, who))])
 
 
 def codec_by_name(name: str) -> F32Codec | Int8Codec:

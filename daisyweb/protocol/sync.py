@@ -32,7 +32,7 @@ the update that takes the weights from boundary ``b`` to ``b + 1``. Per step:
 3. Each member computes its gradient and sends ``Gradient(b, self, payload)`` to every
    other member. A member waits for *exactly* the roster's gradients; a wrong length or
    any NaN/Inf halts the run at step ``b`` with the replica untouched. When all are
-   present they are summed in roster order (``average_in_roster_order``) and applied:
+   present they are summed in roster order (``average_parts_in_roster_order``) and applied:
    the step is committed only then. Never a partial average.
 4. Followers check every hash published by a member of the last roster against their
    own; any mismatch halts (each peer independently, so a fork stops everyone even if
@@ -62,12 +62,8 @@ from daisyweb.protocol.actions import (
     SendSnapshot,
     Stopped,
 )
-from daisyweb.protocol.averaging import (
-    GradientError,
-    average_in_roster_order,
-    weighted_average_in_roster_order,
-)
-from daisyweb.protocol.codec import F32, Codec, check_payload
+from daisyweb.protocol.averaging import GradientError, average_parts_in_roster_order
+from daisyweb.protocol.codec import F32, Codec, check_payload, decode_parts
 from daisyweb.protocol.hashes import HashBook, HashDuties
 from daisyweb.protocol.leading import LeaderDuties
 from daisyweb.protocol.ledger import StepLedger
@@ -442,16 +438,15 @@ class StepMachine(LeaderDuties, HashDuties):
         if any(p not in st.grads for p in st.roster):
             return False  # exactly the roster's gradients, never a partial average
         # The decoded values of the very bytes every member holds (its own included),
-        # decoded one at a time as the average adds them (all were validated on arrival).
+        # decoded part by part as the average adds them (all were validated on arrival).
         size = self.replica.size
-        grads = (self.codec.decode(st.grads[p], size, f"gradient from {p}") for p in st.roster)
+        parts = [decode_parts(self.codec, st.grads[p], size, f"gradient from {p}")
+                 for p in st.roster]
         backup = getattr(self.replica, "backup", None)
         if backup is not None:
             self._backup = (step, backup())
-        if st.shares:
-            self.replica.apply(weighted_average_in_roster_order(grads, st.shares, owned=True))
-        else:
-            self.replica.apply(average_in_roster_order(grads, owned=True))
+        # The mean is ours alone: the replica may keep its buffer (the outer step's).
+        self.replica.apply(average_parts_in_roster_order(parts, size, st.shares), owned=True)
         self._ledger.committed[step] = st.roster
         self._ledger.committed_shares[step] = st.shares
         self._ledger.forget_before(step, self.history, keep_grads=self.is_leader)

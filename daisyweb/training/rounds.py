@@ -147,12 +147,15 @@ def rounds_before(step: int, total_steps: int, sync_every: int) -> int:
     return step // sync_every
 
 
-def outer_step(anchor: np.ndarray, mean_delta: np.ndarray, outer_lr: float) -> np.ndarray:
-    """``anchor - f32(outer_lr) * mean_delta`` as new float32 array, elementwise in that order."""
+def outer_step(anchor: np.ndarray, mean_delta: np.ndarray, outer_lr: float,
+               out: np.ndarray | None = None) -> np.ndarray:
+    """``anchor - f32(outer_lr) * mean_delta``, elementwise in that order, as a new float32
+    array or into ``out`` (which may be ``mean_delta`` itself: each element is read
+    before it is written)."""
     if outer_lr == 1.0:
-        return np.subtract(anchor, mean_delta, dtype=np.float32)
-    scaled = np.multiply(mean_delta, np.float32(outer_lr), dtype=np.float32)
-    return np.subtract(anchor, scaled, dtype=np.float32)
+        return np.subtract(anchor, mean_delta, out=out, dtype=np.float32)
+    scaled = np.multiply(mean_delta, np.float32(outer_lr), out=out, dtype=np.float32)
+    return np.subtract(anchor, scaled, out=scaled, dtype=np.float32)
 
 
 def shared_hash(anchor: np.ndarray, rounds_done: int, inner_steps: int) -> str:
@@ -198,7 +201,9 @@ class LockstepTrainer:
     def stage(self, contribution: Contribution) -> None:
         """Nothing to keep: a gradient leaves the local state untouched."""
 
-    def apply(self, average: np.ndarray) -> None:
+    def apply(self, average: np.ndarray, *, owned: bool = False) -> None:
+        """One optimizer step with the averaged gradient (read, never kept: ``owned`` is
+        the same)."""
         self.state.apply(average)
 
     def weight_hash(self) -> str:
@@ -323,20 +328,22 @@ class RoundTrainer:
         for old in [k for k in self._staged if k < contribution.index - 1]:
             del self._staged[old]
 
-    def apply(self, average: np.ndarray) -> None:
+    def apply(self, average: np.ndarray, *, owned: bool = False) -> None:
         """Outer step with the roster's mean delta; adopt this member's inner state.
 
         The staged arrays are adopted as they are, not copied: in rounds nothing changes
         the anchor or the committed moments in place (rounds compute on copies; the outer
         step makes a new anchor), so the staged state, the optimizer and a backup share
-        them.
+        them. With ``owned`` the new anchor is computed in the mean's own buffer (the same
+        bits; one vector less at a commit), else in a new one.
         """
         r = self.rounds_done
         inner = self._staged.get(r)
         if inner is None:
             raise ValueError(f"round {r} committed without this member's inner state")
         mean = check_gradient(average, self.size, "mean round delta")
-        new_anchor = outer_step(self.state.params, mean, self.outer_lr)
+        new_anchor = outer_step(self.state.params, mean, self.outer_lr,
+                                out=mean if owned else None)
         self.state.optimizer.load_state_dict(inner, copy=False)
         self.state.params = new_anchor
         self.rounds_done = r + 1

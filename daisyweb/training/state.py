@@ -81,8 +81,9 @@ class TrainState:
         loss, grad = loss_and_grad(self.run.model, self.params, batch)
         return float(loss), grad
 
-    def apply(self, average: np.ndarray) -> None:
-        """One DaisyAdam step with the roster's averaged gradient (validated first)."""
+    def apply(self, average: np.ndarray, *, owned: bool = False) -> None:
+        """One DaisyAdam step with the roster's averaged gradient (validated first; read,
+        never kept, so ``owned`` changes nothing)."""
         self.optimizer.step(self.params, check_gradient(average, self.size, "average"))
 
     def weight_hash(self) -> str:

@@ -127,7 +127,7 @@ class Replica:
     def size(self) -> int:
         return SIZE
 
-    def apply(self, average: np.ndarray) -> None:
+    def apply(self, average: np.ndarray, *, owned: bool = False) -> None:
         self.opt.step(self.params, average)
 
     def weight_hash(self) -> str:

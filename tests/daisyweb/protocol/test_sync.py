@@ -63,7 +63,7 @@ class FakeReplica:
     def size(self) -> int:
         return SIZE
 
-    def apply(self, average: np.ndarray) -> None:
+    def apply(self, average: np.ndarray, *, owned: bool = False) -> None:
         self.opt.step(self.params, average)
         self.applied.append(average.copy())
 
@@ -832,34 +832,44 @@ def test_future_rosters_are_not_kept() -> None:
 
 
 class RecordingCodec:
-    """F32, keeping every vector it decodes (to see which one a replica is handed)."""
+    """F32, recording which of its decodings the machine uses: whole vectors
+    (``decode``) or part by part (``decode_parts``)."""
 
     name = "f32"
 
     def __init__(self) -> None:
-        self.decoded: list[np.ndarray] = []
+        self.whole = 0
+        self.parted = 0
 
     def encode(self, vector: np.ndarray) -> bytes:
         return F32.encode(vector)
 
     def decode(self, payload: bytes, size: int, who: str = "payload") -> np.ndarray:
-        vector = F32.decode(payload, size, who)
-        self.decoded.append(vector)
-        return vector
+        self.whole += 1
+        return F32.decode(payload, size, who)
+
+    def check(self, payload: bytes, size: int, who: str = "payload") -> None:
+        F32.check(payload, size, who)
+
+    def decode_parts(self, payload: bytes, size: int, who: str = "payload") -> Any:
+        self.parted += 1
+        return F32.decode_parts(payload, size, who)
 
 
-def test_a_commit_sums_into_the_first_decoded_vector_not_a_copy() -> None:
-    """The machine gives its freshly decoded vectors to the averaging as its own
-    (``owned``): a commit holds one vector less than with a copy of the first."""
+def test_a_commit_decodes_part_by_part_and_hands_over_its_mean() -> None:
+    """A commit never makes a whole decoded vector besides the sum (each payload is
+    decoded part by part as it is added), and the replica is given the mean as its own
+    (``owned``: a round trainer takes its outer step in that buffer)."""
     codec = RecordingCodec()
     bus = Bus(["a", "b", "c"], steps=2, seed=4, codec=codec)
-    handed: list[np.ndarray] = []
+    handed: list[bool] = []
     for replica in bus.replicas.values():
-        def apply(average: np.ndarray, replica: FakeReplica = replica) -> None:
-            handed.append(average)
+        def apply(average: np.ndarray, *, owned: bool = False,
+                  replica: FakeReplica = replica) -> None:
+            handed.append(owned)
             FakeReplica.apply(replica, average)
         replica.apply = apply  # type: ignore[method-assign]
     bus.start()
     bus.run()
-    assert set(bus.finished) == {"a", "b", "c"} and len(handed) == 6
-    assert all(any(average is d for d in codec.decoded) for average in handed)
+    assert set(bus.finished) == {"a", "b", "c"} and handed == [True] * 6
+    assert codec.whole == 0 and codec.parted == 6 * 3  # 3 members, 2 steps, 3 payloads

@@ -107,6 +107,26 @@ def test_apply_without_the_own_contribution_is_refused() -> None:
     assert t.step == 0
 
 
+@pytest.mark.parametrize("outer_lr", [1.0, 0.7])
+def test_an_owned_mean_becomes_the_new_anchor_with_the_same_bits(outer_lr: float) -> None:
+    """``apply(mean, owned=True)`` (the step machine's fresh mean) takes the outer step in
+    the mean's own buffer: the same anchor bits as a new array, one vector less at a
+    commit. Without ``owned`` the caller's mean is left as it was."""
+    ref, own = (RoundTrainer(TrainState.fresh(_run(8, 4)), 4, outer_lr) for _ in range(2))
+    for t in (ref, own):
+        contribution = t.contribute(0, _batches("a"))
+        t.stage(contribution)
+    mean = contribution.vector
+    kept = mean.copy()
+    ref.apply(mean)
+    assert mean.tobytes() == kept.tobytes() and not np.shares_memory(ref.state.params, mean)
+    own.apply(mean, owned=True)
+    assert own.state.params is mean
+    assert own.weight_hash() == ref.weight_hash()
+    assert own.state.params.tobytes() == outer_step(
+        TrainState.fresh(_run(8, 4)).params, kept, outer_lr).tobytes()
+
+
 def test_backup_restore_rolls_back_a_committed_round() -> None:
     t = RoundTrainer(TrainState.fresh(_run(8, 4)), 4)
     c = t.contribute(0, _batches("a"))
