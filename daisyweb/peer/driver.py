@@ -53,6 +53,7 @@ from daisyweb.peer.items import (
 from daisyweb.peer.memory import keep_step_buffers
 from daisyweb.peer.options import PeerError, PeerOptions, log, mesh_transport_options
 from daisyweb.peer.report import Report
+from daisyweb.peer.spill import SpillArchive
 from daisyweb.protocol import budget, sync, wire
 from daisyweb.training.rounds import BatchFn, Contribution, HeadStart, RoundTrainer
 from daisyweb.training.state import TrainState, probe_hash
@@ -212,7 +213,8 @@ class Driver:
             join_timeout=self.opts.join_timeout, version=self.version, codec=self.encoder,
             # Capacity-weighted batches are the leader's choice; a follower learns the
             # mode from the rosters it is sent.
-            capacity=self.opts.start and self.opts.capacity, batch=self.state.run.batch)
+            capacity=self.opts.start and self.opts.capacity, batch=self.state.run.batch,
+            archive=SpillArchive())
         self.faults.machine = self.machine
         return self.machine
 

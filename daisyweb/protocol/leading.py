@@ -98,7 +98,7 @@ class LeaderDuties:
             if msg.sender_of_missing == self.self_id and peer == self.leader and own:
                 out.append(Send((peer,), wire.Gradient(msg.step, self.self_id, own)))
             return
-        payload = st.grads.get(msg.sender_of_missing) if st else None
+        payload = self._ledger.payload(msg.step, msg.sender_of_missing)
         if payload is not None:
             out.append(Send((peer,), wire.Gradient(msg.step, msg.sender_of_missing, payload)))
         elif msg.step == self.boundary and not self.members.alive(msg.sender_of_missing):

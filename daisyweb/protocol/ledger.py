@@ -3,16 +3,34 @@
 :class:`InFlight` is everything known about one step not yet forgotten (roster, the raw
 gradient payloads by sender, repair timers). :class:`StepLedger` holds them with the
 rosters each committed step used and the rosters seen per (sender, step), and forgets
-what no repair or rollback can need once a step commits.
+what no repair or rollback can need once a step commits. A leader's payloads of older
+committed steps, kept only to repair a member that fell behind, may go to an
+:class:`Archive` (the peer's: a file) instead of staying in memory.
 """
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass, field
+from typing import Protocol
 
 from daisyweb.protocol import wire
 
-__all__ = ["InFlight", "StepLedger"]
+__all__ = ["Archive", "InFlight", "StepLedger", "HOT_STEPS"]
+
+HOT_STEPS = 2
+"""Committed steps whose payloads a leader keeps in memory, the newest first: the last
+commit (which a rollback sums again) and the one before (what a member one boundary
+behind asks to have repaired). Older ones go to the ledger's :class:`Archive`."""
+
+
+class Archive(Protocol):
+    """Where a leader's payloads of older committed steps are kept for repair."""
+
+    def keep(self, step: int, grads: dict[str, bytes]) -> Mapping[str, bytes]:
+        """``grads`` kept elsewhere: a mapping that gives each payload back, or gives
+        nothing (``get`` returns None) for one it can no longer give intact."""
+        ...
 
 
 @dataclass
@@ -29,7 +47,9 @@ class InFlight:
 
 
 class StepLedger:
-    def __init__(self) -> None:
+    def __init__(self, archive: Archive | None = None) -> None:
+        self.archive = archive
+        self.archived: dict[int, Mapping[str, bytes]] = {}  # step -> its payloads, archived
         self.steps: dict[int, InFlight] = {}
         self.committed: dict[int, tuple[str, ...]] = {}  # step -> roster used
         self.committed_shares: dict[int, tuple[int, ...]] = {}  # step -> its shares
@@ -42,6 +62,14 @@ class StepLedger:
     def open(self, step: int) -> InFlight:
         """The record of ``step``, created empty if there is none yet."""
         return self.steps.setdefault(step, InFlight())
+
+    def payload(self, step: int, sender: str) -> bytes | None:
+        """``sender``'s payload of ``step`` if still kept (in memory or archived)."""
+        s = self.steps.get(step)
+        if s is not None and sender in s.grads:
+            return s.grads[sender]
+        archived = self.archived.get(step)
+        return archived.get(sender) if archived is not None else None
 
     def roster(self, step: int) -> tuple[str, ...] | None:
         """The roster of ``step``: in flight, or the one it was committed with."""
@@ -61,10 +89,18 @@ class StepLedger:
             self.committed_shares.pop(old, None)
         for old in [k for k in self.steps if k < step - history + 1]:
             del self.steps[old]
+        for old in [k for k in self.archived if k < step - history + 1]:
+            del self.archived[old]
         for key in [k for k in self.rosters_seen if k[1] < step]:
             del self.rosters_seen[key]
         if not keep_grads:
             # Followers never resend; keep only the step for a possible rollback.
             for k, s in self.steps.items():
                 if k < step:
+                    s.grads = {}
+        elif self.archive is not None:
+            # Only a member that fell behind asks for these: out of memory they go.
+            for k, s in self.steps.items():
+                if k <= step - HOT_STEPS and s.grads:
+                    self.archived[k] = self.archive.keep(k, s.grads)
                     s.grads = {}

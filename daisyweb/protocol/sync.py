@@ -66,7 +66,7 @@ from daisyweb.protocol.averaging import GradientError, average_parts_in_roster_o
 from daisyweb.protocol.codec import F32, Codec, check_payload, decode_parts
 from daisyweb.protocol.hashes import HashBook, HashDuties
 from daisyweb.protocol.leading import LeaderDuties
-from daisyweb.protocol.ledger import StepLedger
+from daisyweb.protocol.ledger import Archive, StepLedger
 from daisyweb.protocol.membership import Membership, successor
 
 __all__ = [
@@ -119,6 +119,7 @@ class StepMachine(LeaderDuties, HashDuties):
         codec: Codec = F32,
         capacity: bool = False,
         batch: int = 1,
+        archive: Archive | None = None,
     ) -> None:
         self.self_id = self_id
         self.version = version  # what this peer speaks (a test hook may change it)
@@ -138,7 +139,9 @@ class StepMachine(LeaderDuties, HashDuties):
         self.speed = 0.0  # the driver's measurement of our last contribution
         self.members = Membership(self_id, members)
         self._end: Phase | None = None  # FINISHED or HALTED: every later event is ignored
-        self._ledger = StepLedger()
+        # A leader keeps ``history`` steps of payloads for repair: the last HOT_STEPS in
+        # memory, older ones in ``archive`` if given (the peer's file), else in memory too.
+        self._ledger = StepLedger(archive)
         self._hashes = HashBook()
         self._losses: dict[int, float] = {}
         self._last_roster: tuple[str, ...] = tuple(self.members.participants)

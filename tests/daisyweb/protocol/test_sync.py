@@ -19,6 +19,7 @@ import pytest
 from daisyweb.optim import AdamConfig, DaisyAdam, weight_hash
 from daisyweb.protocol import wire
 from daisyweb.protocol.codec import F32, Codec
+from daisyweb.protocol.ledger import Archive
 from daisyweb.protocol.sync import (
     Commit,
     Compute,
@@ -94,6 +95,7 @@ class Bus:
         repair_after: float = 1.0,
         late: tuple[str, ...] = (),
         codec: Codec = F32,
+        archive: Archive | None = None,
     ) -> None:
         self.rng = random.Random(seed)
         self.grad = grad
@@ -111,6 +113,7 @@ class Bus:
                 members=[q for q in peers if q not in late] if p == peers[0] else (),
                 repair_after=repair_after,
                 codec=codec,
+                archive=archive,
             )
             for p in peers
         }
