@@ -32,7 +32,6 @@ from daisyweb.peer.options import log
 __all__ = ["SpillArchive", "SpilledPayloads", "spill_dir"]
 
 
-
 def spill_dir(environ: Mapping[str, str] | None = None) -> str:
     """Where spill files go: ``$TMPDIR``, else ``/var/tmp`` if writable, else the
     system's temporary directory."""

@@ -16,7 +16,6 @@ a round delta lose so many bits and the run train as well (``docs/limits.md``, 2
 
 from __future__ import annotations
 
-from collections.abc import Iterator
 from typing import Protocol
 
 import numpy as np
@@ -397,7 +396,7 @@ class ErrorFeedbackEncoder:
         return decode_parts(self.codec, payload, size, who)
 
 
-def _f32_parts(payload: bytes, size: int) -> Iterator[tuple[slice, np.ndarray]]:
+def _f32_parts(payload: bytes, size: int) -> Parts:
     """A checked float32 payload's values, ``_CHUNK_VALUES`` at a time (new arrays)."""
     for start in range(0, size, _CHUNK_VALUES):
         stop = min(start + _CHUNK_VALUES, size)
