@@ -149,8 +149,13 @@ def round_ops() -> dict[str, float]:
     import numpy as np
 
     from daisyweb.model import ModelConfig, param_count
-    from daisyweb.protocol.averaging import average_in_roster_order
-    from daisyweb.protocol.codec import ErrorFeedback, check_payload, codec_by_name
+    from daisyweb.protocol.averaging import average_parts_in_roster_order
+    from daisyweb.protocol.codec import (
+        ErrorFeedback,
+        check_payload,
+        codec_by_name,
+        decode_parts,
+    )
     from daisyweb.training.rounds import shared_hash
 
     size = param_count(ModelConfig(vocab=2048))
@@ -177,8 +182,11 @@ def round_ops() -> dict[str, float]:
         out[f"{name}: check on arrival"] = median_ms(
             lambda c=codec, p=payload: check_payload(c, p, size))
         out[f"{name}: decode"] = median_ms(lambda c=codec, p=payload: c.decode(p, size))
-    out["average of 2 decoded vectors"] = median_ms(
-        lambda: average_in_roster_order(iter([delta.copy(), delta.copy()]), owned=True))
+        # What a commit does (sync._try_commit): each payload decoded part by part as
+        # the roster-order average adds it.
+        out[f"{name}: average of 2 payloads, decoded part by part"] = median_ms(
+            lambda c=codec, p=payload: average_parts_in_roster_order(
+                [decode_parts(c, p, size), decode_parts(c, p, size)], size))
     out["shared-state hash (blake2b-256 of the anchor)"] = median_ms(
         lambda: shared_hash(anchor, 1, H))
     return out

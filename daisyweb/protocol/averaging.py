@@ -84,11 +84,7 @@ def weighted_average_in_roster_order(grads: Iterable[np.ndarray], shares: Sequen
     ``grads`` is read one at a time, as there; with ``owned`` each is scaled in its own
     buffer (no scratch vector) and the first becomes the sum.
     """
-    if any(isinstance(n, bool) or not isinstance(n, (int, np.integer)) or n < 1
-           for n in shares):
-        raise GradientError("shares must be positive integers")
-    if isinstance(grads, Sized) and len(shares) != len(grads):
-        raise GradientError(f"{len(shares)} shares for {len(grads)} contributions")
+    _check_shares(shares, len(grads) if isinstance(grads, Sized) else None)
     if len(set(int(n) for n in shares)) <= 1:
         return _counted(lambda gs: average_in_roster_order(gs, owned=owned), grads,
                         len(shares))
@@ -130,13 +126,9 @@ def average_parts_in_roster_order(parts: Sequence[Parts], size: int,
     """
     if not parts:
         raise GradientError("cannot average an empty roster")
+    if shares:
+        _check_shares(shares, len(parts))
     weighted = len(set(int(n) for n in shares)) > 1
-    if weighted or shares:
-        if any(isinstance(n, bool) or not isinstance(n, (int, np.integer)) or n < 1
-               for n in shares):
-            raise GradientError("shares must be positive integers")
-        if len(shares) != len(parts):
-            raise GradientError(f"{len(shares)} shares for {len(parts)} contributions")
     weights = [np.float32(n) for n in shares] if weighted else None
     total = np.empty(size, np.float32)
     done = 0
@@ -166,6 +158,15 @@ def average_parts_in_roster_order(parts: Sequence[Parts], size: int,
     elif len(parts) > 1:
         np.multiply(total, np.float32(1.0 / len(parts)), out=total)
     return total
+
+
+def _check_shares(shares: Sequence[int], count: int | None) -> None:
+    """Refuse shares that are not positive integers, or not ``count`` of them (if known)."""
+    if any(isinstance(n, bool) or not isinstance(n, (int, np.integer)) or n < 1
+           for n in shares):
+        raise GradientError("shares must be positive integers")
+    if count is not None and len(shares) != count:
+        raise GradientError(f"{len(shares)} shares for {count} contributions")
 
 
 def _counted(average: Callable[[Iterable[np.ndarray]], np.ndarray],
