@@ -14,13 +14,22 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import json
 import logging
 import time
 from collections.abc import Awaitable, Callable
 from typing import Any
-from urllib.parse import urlsplit, urlunsplit
+from urllib.parse import urlencode, urlsplit, urlunsplit
 
-import aiohttp
+from websockets.asyncio.client import ClientConnection, connect
+from websockets.exceptions import (
+    ConnectionClosed,
+    InvalidHandshake,
+    InvalidStatus,
+    InvalidURI,
+    WebSocketException,
+)
+from websockets.protocol import State
 
 from daisyweb.net.events import JoinDenied, JoinTimeout, MeshError
 from daisyweb.net.tasks import TaskSet, cancel, reap
@@ -33,6 +42,9 @@ log = logging.getLogger("daisyweb.net.mesh")
 # The server allows 50 messages/s per connection and closes it after 20 errors, so
 # status reports (the only frequent client message) are coalesced to at most 10/s.
 STATUS_MIN_INTERVAL = 0.1
+# What the server may send in one message (peer lists are its largest): aiohttp's
+# client default, which this client used before.
+MAX_RECEIVE_BYTES = 4 * 1024 * 1024
 
 Approve = Callable[[str, str], Awaitable[bool]]
 # (previous member ids, whether members or host changed); the new ones are on the client
@@ -84,8 +96,7 @@ class SignalingClient:
         self.member_key: str | None = None  # our own (read-only) dashboard view of the room
         self.up = False  # the socket is open and being read
 
-        self._session: aiohttp.ClientSession | None = None
-        self._ws: aiohttp.ClientWebSocketResponse | None = None
+        self._ws: ClientConnection | None = None
         self._reader: asyncio.Task[None] | None = None
         self._admitted: asyncio.Future[None] | None = None
         self._waiting: dict[str, str] = {}
@@ -108,20 +119,20 @@ class SignalingClient:
         loop = asyncio.get_running_loop()
         self._admitted = loop.create_future()
         deadline = loop.time() + self.join_timeout
-        self._session = aiohttp.ClientSession()
         try:
-            self._ws = await asyncio.wait_for(
-                self._session.ws_connect(self.url, params=params, heartbeat=None),
-                self.join_timeout,
-            )
+            self._ws = await asyncio.wait_for(self._connect(params), self.join_timeout)
         except asyncio.TimeoutError:
             raise JoinTimeout(
                 f"could not reach the signaling server {self.server} "
                 f"within {self.join_timeout:g} s"
             ) from None
-        except aiohttp.WSServerHandshakeError as e:
-            raise MeshError(f"signaling server refused the connection: {e.status} {e}") from e
-        except (aiohttp.ClientError, OSError) as e:
+        except InvalidStatus as e:
+            res = e.response  # the server's reason is its body (aiohttp's text=...)
+            why = res.body.decode("utf-8", "replace").strip()[:200] or res.reason_phrase
+            raise MeshError(
+                f"signaling server refused the connection: {res.status_code} {why}"
+            ) from e
+        except (InvalidHandshake, InvalidURI, OSError) as e:
             raise MeshError(f"cannot connect to signaling server {self.server}: {e}") from e
         self.up = True
         self._reader = asyncio.create_task(self._read())
@@ -135,6 +146,19 @@ class SignalingClient:
                 "(the host has not approved this peer)"
             ) from None
 
+    async def _connect(self, params: dict[str, str]) -> ClientConnection:
+        # The websockets client, not aiohttp's: a peer then never imports aiohttp on the
+        # built-in corpus (~9 MB resident, docs/limits.md section 1). Set as aiohttp's
+        # client was: no proxy from the environment, no compression, no client pings
+        # (the server pings; a dead socket is seen by the links' own heartbeats).
+        return await connect(
+            f"{self.url}?{urlencode(params)}", proxy=None, compression=None,
+            open_timeout=None, ping_interval=None, max_size=MAX_RECEIVE_BYTES,
+        )
+
+    def _open(self) -> bool:
+        return self._ws is not None and self._ws.state is State.OPEN
+
     def stop(self) -> None:
         """Cancel every task of this client at once (no awaiting); ``close`` finishes."""
         self._closed = True
@@ -142,13 +166,11 @@ class SignalingClient:
         self._cancelled += cancel(tasks)
 
     async def close(self) -> None:
-        """Stop, close the socket and the HTTP session, and wait for the tasks."""
+        """Stop, close the socket, and wait for the tasks."""
         self.stop()
         if self._ws is not None:
             with contextlib.suppress(Exception):
                 await self._ws.close()
-        if self._session is not None:
-            await self._session.close()
         cancelled, self._cancelled = self._cancelled, []
         await reap(cancelled)
 
@@ -160,7 +182,7 @@ class SignalingClient:
 
     async def report_status(self, fields: dict[str, Any]) -> None:
         """Send a status report now, or coalesce it into one sent shortly (latest wins)."""
-        if self._ws is None or self._ws.closed:
+        if not self._open():
             raise MeshError("not connected to the signaling server")
         now = time.monotonic()
         if self._status_task is None and now - self._status_last >= STATUS_MIN_INTERVAL:
@@ -193,11 +215,11 @@ class SignalingClient:
 
     async def _send(self, msg: dict[str, Any]) -> None:
         ws = self._ws
-        if ws is None or ws.closed:
+        if ws is None or not self._open():
             raise MeshError("not connected to the signaling server")
         try:
-            await ws.send_json(msg)
-        except (ConnectionError, RuntimeError, aiohttp.ClientError) as e:
+            await ws.send(json.dumps(msg))
+        except (ConnectionError, RuntimeError, WebSocketException) as e:
             raise MeshError(f"signaling send failed: {e}") from e
 
     async def _flush_status(self, delay: float) -> None:
@@ -230,12 +252,12 @@ class SignalingClient:
         assert self._ws is not None
         try:
             async for raw in self._ws:
-                if raw.type != aiohttp.WSMsgType.TEXT:
+                if not isinstance(raw, str):  # the protocol is JSON text only
                     break
                 try:
-                    msg = raw.json()
+                    msg = json.loads(raw)
                 except ValueError:
-                    log.warning("signaling sent non-JSON: %.80r", raw.data)
+                    log.warning("signaling sent non-JSON: %.80r", raw)
                     continue
                 if not isinstance(msg, dict):
                     log.warning("signaling sent a non-object: %.80r", msg)
@@ -248,6 +270,8 @@ class SignalingClient:
                     log.warning("%r message from signaling failed: %s", msg.get("type"), e)
         except asyncio.CancelledError:
             raise
+        except ConnectionClosed:
+            pass  # said below, with its code
         except Exception as e:  # a broken socket must not kill the mesh's links
             log.warning("signaling connection error: %s", e)
         finally:

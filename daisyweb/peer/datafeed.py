@@ -13,7 +13,6 @@ import asyncio
 from collections import deque
 from collections.abc import Callable
 
-import aiohttp
 import numpy as np
 
 from daisyweb.data import BatchSampler, Tokenizer, builtin_tokens
@@ -46,6 +45,9 @@ class DataFeed:
 
     async def _fetch_data(self) -> None:
         """Fetch text slices from /data now and then; failures just keep the corpus."""
+        # Imported here: a peer on the built-in corpus never loads aiohttp (~9 MB resident).
+        import aiohttp
+
         url = data_url(self.server)
         timeout = aiohttp.ClientTimeout(total=20)
         async with aiohttp.ClientSession(timeout=timeout) as session:

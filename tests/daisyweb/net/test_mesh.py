@@ -13,12 +13,15 @@ from __future__ import annotations
 import asyncio
 import itertools
 import os
+import subprocess
+import sys
 import time
 from pathlib import Path
 
 import aiohttp
 import pytest
 from aiohttp import web
+from websockets.protocol import State
 
 from daisyweb.net import ice, signaling_client
 from daisyweb.net import link as linkmod
@@ -421,7 +424,7 @@ async def test_join_timeout(srv):
     with pytest.raises(JoinTimeout, match="not admitted"):
         await late.start()
     assert time.monotonic() - t0 < 2
-    assert late._signaling._ws.closed  # gave up: the socket is closed, nothing left running
+    assert late._signaling._ws.state is State.CLOSED  # gave up: nothing left running
 
 
 async def test_dashboard_decision_and_host_key(srv):
@@ -491,6 +494,38 @@ async def test_unreachable_server():
     m = Mesh("http://127.0.0.1:9", ice_hosts=["127.0.0.1"], join_timeout=3)
     with pytest.raises(MeshError, match="cannot connect"):
         await m.start()
+
+
+async def test_a_refused_handshake_says_what_the_server_said():
+    # A server (or a proxy in front of it) that answers the upgrade with an error page:
+    # the peer's one line carries its status and its reason.
+    async def refuse(_: web.Request) -> web.Response:
+        raise web.HTTPForbidden(text="closed for maintenance")
+
+    app = web.Application()
+    app.router.add_get("/ws", refuse)
+    runner = web.AppRunner(app)
+    await runner.setup()
+    site = web.TCPSite(runner, "127.0.0.1", 0)
+    await site.start()
+    port = site._server.sockets[0].getsockname()[1]
+    try:
+        m = Mesh(f"http://127.0.0.1:{port}", ice_hosts=["127.0.0.1"], join_timeout=3)
+        with pytest.raises(MeshError, match="refused the connection: 403 closed for maint"):
+            await m.start()
+        await m.close()
+    finally:
+        await runner.cleanup()
+
+
+def test_a_peer_does_not_load_aiohttp():
+    # aiohttp is ~9 MB resident once imported (docs/limits.md section 1); a peer on the
+    # built-in corpus connects with the websockets client and never needs it.
+    code = ("import sys, daisyweb.cli.peer, daisyweb.peer.run, daisyweb.net.mesh; "
+            "print(sorted(m for m in sys.modules if m.split('.')[0] == 'aiohttp'))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                         check=True).stdout
+    assert out.strip() == "[]"
 
 
 async def test_reassembly_over_budget_loses_that_link_only(srv):
