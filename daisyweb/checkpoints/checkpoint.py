@@ -66,8 +66,8 @@ import numpy as np
 from daisyweb.checkpoints.ptfile import (
     DEFAULT_MAX_BYTES,
     PtFormatError,
-    dumps_pt,
     load_pt,
+    write_pt,
 )
 from daisyweb.checkpoints.quote import short_repr
 from daisyweb.model import ModelConfig, param_count, param_layout
@@ -84,6 +84,7 @@ __all__ = [
     "checkpoint_to_tree",
     "checkpoint_from_tree",
     "checkpoint_to_bytes",
+    "checkpoint_to_file",
     "checkpoint_from_bytes",
     "save_checkpoint",
     "load_checkpoint",
@@ -439,12 +440,20 @@ def checkpoint_from_tree(tree: Any, *, expect_model: ModelConfig | None = None,
 # ---------------------------------------------------------------------------- bytes / files
 def checkpoint_to_bytes(ckpt: Checkpoint) -> bytes:
     """The ``.pt`` file bytes of a checkpoint (validated first; deterministic)."""
+    buf = io.BytesIO()
+    checkpoint_to_file(ckpt, buf)
+    return buf.getvalue()
+
+
+def checkpoint_to_file(ckpt: Checkpoint, file: IO[bytes]) -> None:
+    """Write :func:`checkpoint_to_bytes`'s bytes into ``file`` (binary, seekable, empty),
+    the arrays straight from their buffers (``ptfile.write_pt``)."""
     tree = checkpoint_to_tree(ckpt)
     # Same checks as a reader would run: refuse to write or send what nobody could load.
     # (The Checkpoint it builds is dropped at once, so it may share the tree's arrays.)
     checkpoint_from_tree(tree, _copy=False)
     try:
-        return dumps_pt(tree)
+        write_pt(file, tree)
     except (TypeError, ValueError) as exc:
         raise _err(f"cannot encode checkpoint: {exc}", "check the run metadata values") from None
 

@@ -42,7 +42,7 @@ import numpy as np
 from daisyweb.checkpoints.quote import short_name, short_repr
 from daisyweb.checkpoints.unpickle import Global, PickleRefused, load_restricted
 
-__all__ = ["PtFormatError", "save_pt", "dumps_pt", "load_pt", "DEFAULT_MAX_BYTES",
+__all__ = ["PtFormatError", "save_pt", "dumps_pt", "write_pt", "load_pt", "DEFAULT_MAX_BYTES",
            "MAX_PICKLE_BYTES"]
 
 DEFAULT_MAX_BYTES = 4 << 30
@@ -192,7 +192,7 @@ class _Encoder:
             raise TypeError(f"cannot save value of type {type(obj).__name__}")
 
 
-def _aligned_entry(zf: zipfile.ZipFile, buf: io.BytesIO, name: str,
+def _aligned_entry(zf: zipfile.ZipFile, buf: IO[bytes], name: str,
                    data: bytes | memoryview) -> None:
     info = zipfile.ZipInfo(name, date_time=(1980, 1, 1, 0, 0, 0))
     info.compress_type = zipfile.ZIP_STORED
@@ -207,16 +207,17 @@ def _aligned_entry(zf: zipfile.ZipFile, buf: io.BytesIO, name: str,
 def save_pt(path_or_file: str | os.PathLike[str] | IO[bytes], obj: Any) -> None:
     """Write ``obj`` (nested dict/list/tuple of arrays and plain values) as a ``.pt`` file.
 
-    The whole archive is built in memory first, so a failure never leaves a partial file.
+    A path is written through a temporary file beside it, renamed once complete, so a
+    failure never leaves a partial file (nor the archive in memory: :func:`write_pt`);
+    a file object gets the archive built in memory, in one write.
     """
-    payload = dumps_pt(obj)
     if hasattr(path_or_file, "write"):
-        path_or_file.write(payload)  # type: ignore[union-attr]
+        path_or_file.write(dumps_pt(obj))  # type: ignore[union-attr]
     else:
         tmp = f"{os.fspath(path_or_file)}.tmp.{os.getpid()}"
         try:
             with open(tmp, "wb") as f:
-                f.write(payload)
+                write_pt(f, obj)
             os.replace(tmp, path_or_file)
         except BaseException:
             # Never leave a half-written temp file behind (e.g. disk full).
@@ -225,21 +226,27 @@ def save_pt(path_or_file: str | os.PathLike[str] | IO[bytes], obj: Any) -> None:
             raise
 
 
-def dumps_pt(obj: Any) -> bytes:
-    """The ``.pt`` file bytes of ``obj`` (what :func:`save_pt` writes)."""
+def write_pt(file: IO[bytes], obj: Any) -> None:
+    """Write the ``.pt`` archive of ``obj`` into ``file`` (binary, seekable, empty): the
+    same bytes as :func:`dumps_pt`, each array written from its own buffer, so a file
+    on disk never holds the archive in memory too."""
     enc = _Encoder()
     enc.w(pickle.PROTO + b"\x02")
     enc.value(obj)
     enc.w(pickle.STOP)
-    buf = io.BytesIO()
-    with zipfile.ZipFile(buf, "w", zipfile.ZIP_STORED, allowZip64=True) as zf:
+    with zipfile.ZipFile(file, "w", zipfile.ZIP_STORED, allowZip64=True) as zf:
         entries = [("data.pkl", enc.out.getvalue()), (".format_version", b"1"),
                    (".storage_alignment", b"64"), ("byteorder", b"little")]
         entries += [(f"data/{i}", b) for i, b in enumerate(enc.storages)]
         entries.append(("version", b"3\n"))
         for name, data in entries:
-            _aligned_entry(zf, buf, f"{_ARCHIVE}/{name}", data)
-    del entries, enc  # the storages' copies, before the result is taken out of buf
+            _aligned_entry(zf, file, f"{_ARCHIVE}/{name}", data)
+
+
+def dumps_pt(obj: Any) -> bytes:
+    """The ``.pt`` file bytes of ``obj`` (what :func:`save_pt` writes)."""
+    buf = io.BytesIO()
+    write_pt(buf, obj)
     return buf.getvalue()
 
 

@@ -23,7 +23,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from daisyweb.checkpoints.checkpoint import TokenizerInfo, checkpoint_to_bytes
+from daisyweb.checkpoints.checkpoint import TokenizerInfo, checkpoint_to_file
 from daisyweb.data import Tokenizer, builtin_tokens
 from daisyweb.net import (
     BadMessage,
@@ -53,7 +53,7 @@ from daisyweb.peer.items import (
 from daisyweb.peer.memory import keep_step_buffers
 from daisyweb.peer.options import PeerError, PeerOptions, log, mesh_transport_options
 from daisyweb.peer.report import Report
-from daisyweb.peer.spill import SpillArchive
+from daisyweb.peer.spill import SpillArchive, Spooler
 from daisyweb.protocol import budget, sync, wire
 from daisyweb.training.rounds import BatchFn, Contribution, HeadStart, RoundTrainer
 from daisyweb.training.state import TrainState, probe_hash
@@ -85,6 +85,7 @@ class Driver:
         self.mesh_factory = mesh_factory
         self.opts = opts
         self.faults = faults
+        self.spooler = Spooler()  # snapshots go out from a file
         self.version = faults.version
         self.tok = tok
         self.tokinfo = tokinfo
@@ -475,9 +476,10 @@ class Driver:
         if self.trainer.step != step:  # cannot happen: the machine asks at its boundary
             log(f"not sending a snapshot of step {step} from step {self.trainer.step}")
             return
-        # Not copied: the arrays are turned into bytes right here, on the event loop,
-        # before anything can replace or step them.
-        payload = checkpoint_to_bytes(self.state.checkpoint(self.tokinfo, copy=False))
+        # Not copied: the arrays are written out right here, on the event loop, before
+        # anything can replace or step them; the joiner downloads them from that file.
+        ckpt = self.state.checkpoint(self.tokinfo, copy=False)
+        payload = self.spooler.spool(lambda file: checkpoint_to_file(ckpt, file))
         payload, announced = self.faults.snapshot(payload, self.state.weight_hash())
         self._send((peer,), self.state.run.to_wire())
         self._send((peer,), wire.Snapshot(step, announced, payload))

@@ -209,11 +209,13 @@ class Faults:
         if self.hooks.fork_at is not None and trainer.step == self.hooks.fork_at:
             trainer.state.params[0] += np.float32(1e-3)  # a silent divergence
 
-    def snapshot(self, payload: bytes, announced: str) -> tuple[bytes, str]:
+    def snapshot(self, payload: bytes | wire.SpooledBytes, announced: str
+                 ) -> tuple[bytes | wire.SpooledBytes, str]:
         """A snapshot as the leader sends it: one byte flipped, or a wrong hash."""
         if self.hooks.corrupt_snapshot == "byte":
             # One flipped byte, which the follower must catch before using it.
-            data = bytearray(payload)
+            data = bytearray(payload if isinstance(payload, bytes)
+                             else payload.read(0, len(payload)))
             data[len(data) // 2] ^= 0x01
             payload = bytes(data)
         elif self.hooks.corrupt_snapshot == "hash":

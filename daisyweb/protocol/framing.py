@@ -31,7 +31,7 @@ import struct
 from collections import OrderedDict
 from collections.abc import Iterator, Sequence
 
-from daisyweb.protocol.wire import MAX_U64, WireError
+from daisyweb.protocol.wire import MAX_U64, Part, SpooledBytes, WireError
 
 __all__ = ["MAX_FRAME", "HEADER_SIZE", "CHUNK", "BudgetExceeded", "frame", "frame_id",
            "iter_frames", "Reassembler"]
@@ -58,31 +58,32 @@ def frame(msg_bytes: bytes, msg_id: int) -> list[bytes]:
     return list(iter_frames(msg_bytes, msg_id))
 
 
-def iter_frames(msg_bytes: bytes | Sequence[bytes | memoryview], msg_id: int
-                ) -> Iterator[bytes]:
+def iter_frames(msg_bytes: bytes | Sequence[Part], msg_id: int) -> Iterator[bytes]:
     """The frames of :func:`frame`, made one at a time as the sender takes them (a big
     message is not copied into a list of frames first). Checked before the first one.
 
     ``msg_bytes`` may also be a sequence of parts (``wire.encode_parts``): the frames
-    are those of the parts' concatenation, which is never made.
+    are those of the parts' concatenation, which is never made. A part may be
+    ``wire.SpooledBytes``: its chunks are read from its file as the frames are made.
     """
     if type(msg_id) is not int or not 0 <= msg_id <= MAX_U64:
         raise WireError(f"msg_id must be a u64, got {msg_id!r}")
     parts = [msg_bytes] if isinstance(msg_bytes, (bytes, bytearray, memoryview)) else (
         list(msg_bytes) if isinstance(msg_bytes, (list, tuple)) else [msg_bytes])
     for part in parts:
-        if not isinstance(part, (bytes, bytearray, memoryview)):
+        if not isinstance(part, (bytes, bytearray, memoryview, SpooledBytes)):
             raise WireError(f"message must be bytes, got {type(part).__name__}")
-    views = [memoryview(p).cast("B") for p in parts]
+    views = [p if type(p) is SpooledBytes else memoryview(p).cast("B") for p in parts]
     total = sum(len(v) for v in views)
     if not 1 <= total <= _MAX_TOTAL_FIELD:
         raise WireError(f"message length {total} not in [1, {_MAX_TOTAL_FIELD}]")
     count = _count_for(total)
     h = hashlib.blake2b(digest_size=8)
     for v in views:
-        h.update(v)
+        for block in (v.blocks() if type(v) is SpooledBytes else (v,)):
+            h.update(block)
     digest = h.digest()
-    if len(views) == 1:
+    if len(views) == 1 and type(views[0]) is not SpooledBytes:
         data = views[0]
         return (
             _HEADER.pack(_MAGIC, msg_id, i, count, total, digest)
@@ -92,15 +93,22 @@ def iter_frames(msg_bytes: bytes | Sequence[bytes | memoryview], msg_id: int
     return _frames_of_parts(views, msg_id, count, total, digest)
 
 
-def _frames_of_parts(views: list[memoryview], msg_id: int, count: int, total: int,
-                     digest: bytes) -> Iterator[bytes]:
+def _slice(part: memoryview | SpooledBytes, start: int, stop: int) -> bytes | memoryview:
+    if type(part) is SpooledBytes:
+        return part.read(start, min(stop, len(part)))
+    return part[start:stop]
+
+
+def _frames_of_parts(views: list[memoryview | SpooledBytes], msg_id: int, count: int,
+                     total: int, digest: bytes) -> Iterator[bytes]:
     starts = [0]
     for v in views:
         starts.append(starts[-1] + len(v))
     for i in range(count):
         lo, hi = i * CHUNK, min((i + 1) * CHUNK, total)
-        chunk = [v[max(lo - a, 0) : hi - a] for v, a, b in zip(views, starts, starts[1:],
-                                                             strict=False) if a < hi and b > lo]
+        chunk = [_slice(v, max(lo - a, 0), hi - a)
+                 for v, a, b in zip(views, starts, starts[1:], strict=False)
+                 if a < hi and b > lo]
         yield b"".join([_HEADER.pack(_MAGIC, msg_id, i, count, total, digest), *chunk])
 
 

@@ -19,6 +19,7 @@ from daisyweb.checkpoints.checkpoint import (
     TokenizerInfo,
     checkpoint_from_bytes,
     checkpoint_to_bytes,
+    checkpoint_to_file,
     checkpoint_to_tree,
     load_checkpoint,
     make_checkpoint,
@@ -131,6 +132,16 @@ def test_bytes_are_deterministic():
     a, b = checkpoint_to_bytes(_ckpt()), checkpoint_to_bytes(_ckpt())
     assert a == b
     assert checkpoint_to_bytes(_ckpt(seed=1)) != a
+
+
+def test_a_checkpoint_written_to_a_file_is_the_same_bytes(tmp_path):
+    # What a leader's snapshot file and save_pt's streamed file hold (ptfile.write_pt).
+    with open(tmp_path / "c.pt", "w+b") as f:
+        checkpoint_to_file(_ckpt(), f)
+    assert (tmp_path / "c.pt").read_bytes() == checkpoint_to_bytes(_ckpt())
+    save_pt(tmp_path / "t.pt", _tree())
+    assert (tmp_path / "t.pt").read_bytes() == _pt(_tree())
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["c.pt", "t.pt"]  # no temp left
 
 
 def test_restored_optimizer_continues_identically(tmp_path):

@@ -1,13 +1,26 @@
-"""The leader's older repair payloads in a spill file (daisyweb.peer.spill)."""
+"""The leader's older repair payloads and its snapshots in spill files
+(daisyweb.peer.spill)."""
 
 from __future__ import annotations
 
 import os
+import tracemalloc
 from pathlib import Path
+from typing import BinaryIO
 
+import numpy as np
 import pytest
 
-from daisyweb.peer.spill import SpillArchive, SpilledPayloads, spill_dir
+from daisyweb.checkpoints.checkpoint import (
+    Checkpoint,
+    TokenizerInfo,
+    checkpoint_to_bytes,
+    checkpoint_to_file,
+    make_checkpoint,
+)
+from daisyweb.model import ModelConfig, param_count
+from daisyweb.optim import AdamConfig, DaisyAdam
+from daisyweb.peer.spill import SpillArchive, SpilledPayloads, Spooler, spill_dir
 from daisyweb.protocol import wire
 from daisyweb.protocol.codec import F32
 from daisyweb.protocol.ledger import HOT_STEPS
@@ -74,3 +87,52 @@ def test_a_leader_keeps_the_last_two_steps_in_memory_and_repairs_older_ones_from
         sent = [a.message for a in actions if isinstance(a, Send)]
         assert sent == [wire.Gradient(step, "b", F32.encode(bus.sent_grads[("b", step)]))]
     assert leader.message("c", wire.RepairRequest(kept[0] - 1, "b"), bus.now) == []
+
+
+def _demo_checkpoint() -> Checkpoint:
+    """A checkpoint of the demo default's size (16 MB): weights and both moments."""
+    cfg = ModelConfig(vocab=2048)  # the built-in tokenizer's, the demo's dimensions
+    n = param_count(cfg)
+    params = np.random.default_rng(0).standard_normal(n).astype(np.float32)
+    opt = DaisyAdam(AdamConfig(lr=5e-3), n)
+    opt.step(params, np.random.default_rng(1).standard_normal(n).astype(np.float32))
+    run = {"batch": 8, "steps": 300, "lr": 5e-3, "seed": 0, "data": "builtin"}
+    tok = TokenizerInfo(vocab_size=2048, file_hash="ab" * 32)
+    return make_checkpoint(cfg, tok, params, opt, run)
+
+
+def test_a_snapshot_is_spooled_to_an_unlinked_file_not_held_in_memory(tmp_path: Path) -> None:
+    """The leader's snapshot goes out from a file: spooling it allocates only what the
+    reader's checks, run before anything is written, take (a flat copy of the weights
+    and the finite checks, ~8 MB), not the 16 MB payload on top; it reads back as the
+    very bytes of the checkpoint."""
+    ckpt = _demo_checkpoint()
+    tracemalloc.start()
+    try:
+        payload = Spooler(str(tmp_path)).spool(lambda f: checkpoint_to_file(ckpt, f))
+        _, peak = tracemalloc.get_traced_memory()
+    finally:
+        tracemalloc.stop()
+    assert isinstance(payload, wire.SpooledBytes)
+    assert list(tmp_path.iterdir()) == []  # deleted from the directory at once
+    whole = checkpoint_to_bytes(ckpt)
+    assert len(whole) > 15_000_000 and peak < 10_000_000, peak
+    assert payload.read(0, len(payload)) == whole
+
+
+def test_without_a_usable_directory_a_snapshot_stays_in_memory_said_once(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    spooler = Spooler(str(tmp_path / "missing"))
+    assert spooler.spool(lambda f: f.write(b"abc")) == b"abc"
+    assert spooler.spool(lambda f: f.write(b"de")) == b"de"
+    assert capsys.readouterr().err.count("keeping them in memory") == 1
+
+
+def test_a_snapshot_that_cannot_be_encoded_raises_and_leaves_no_file(tmp_path: Path) -> None:
+    def broken(f: BinaryIO) -> None:
+        f.write(b"half")
+        raise ValueError("cannot encode")
+
+    with pytest.raises(ValueError, match="cannot encode"):
+        Spooler(str(tmp_path)).spool(broken)
+    assert list(tmp_path.iterdir()) == []
