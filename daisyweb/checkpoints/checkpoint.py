@@ -341,7 +341,9 @@ def checkpoint_from_tree(tree: Any, *, expect_model: ModelConfig | None = None,
     ``expect_*`` (all optional) refuse a checkpoint that is valid but not the one the
     caller wants: another model or tokenizer, or, for a snapshot, not the step and weight
     hash the group announced. ``_copy=False`` (this module's readers, whose tree was just
-    loaded and is theirs alone): the result's Adam moments are the tree's arrays.
+    loaded and is theirs alone, and the writers' check): the result's Adam moments are the
+    tree's arrays, and so are its weights where the tree's tensors are consecutive views
+    of one flat buffer (:func:`_one_buffer`), as :func:`checkpoint_to_tree` makes them.
     """
     if not isinstance(tree, dict):
         raise _err(f"the file holds a {type(tree).__name__}, not a daisyweb checkpoint dict",
@@ -404,8 +406,7 @@ def checkpoint_from_tree(tree: Any, *, expect_model: ModelConfig | None = None,
     if extra:
         raise _err(f"checkpoint has unexpected entries {short_repr(extra[:5], 200)}",
                    "the file was not written by this daisyweb; re-save it with daisyweb")
-    params = np.empty(param_count(model), dtype=_F32)
-    off = 0
+    tensors = []
     for name, shape in layout:
         arr = tree[PARAM_PREFIX + name]
         if not isinstance(arr, np.ndarray) or arr.dtype != _F32 or arr.shape != shape:
@@ -414,9 +415,14 @@ def checkpoint_from_tree(tree: Any, *, expect_model: ModelConfig | None = None,
             raise _err(f"tensor {PARAM_PREFIX + name} is {got}, but the checkpoint's model "
                        f"{model} needs float32 {shape}",
                        "the file's tensors do not match its config; use another checkpoint")
-        n = math.prod(shape)
-        params[off:off + n] = arr.reshape(-1)
-        off += n
+        tensors.append(arr)
+    params = None if _copy else _one_buffer(tensors, param_count(model))
+    if params is None:
+        params = np.empty(param_count(model), dtype=_F32)
+        off = 0
+        for arr in tensors:
+            params[off:off + arr.size] = arr.reshape(-1)
+            off += arr.size
     params = _check_params(model, params)
 
     opt = _restore(tree["adam"], params.size, copy=_copy)
@@ -435,6 +441,23 @@ def checkpoint_from_tree(tree: Any, *, expect_model: ModelConfig | None = None,
             "m": opt.m, "v": opt.v}
     return Checkpoint(model=model, tokenizer=tokenizer, step=step, params=params,
                       adam=adam, weight_hash=actual, run=run)
+
+
+def _one_buffer(tensors: list[np.ndarray], n: int) -> np.ndarray | None:
+    """The flat, writable float32 array of ``n`` values that ``tensors`` are consecutive
+    views of, in order, else None. A leader's snapshot check then reads its weights in
+    place instead of assembling a copy (5.3 MB at the demo default, at a boundary)."""
+    base = tensors[0].base if tensors else None
+    if (not isinstance(base, np.ndarray) or base.dtype != _F32 or base.shape != (n,)
+            or not base.flags.c_contiguous or not base.flags.writeable):
+        return None
+    at = base.__array_interface__["data"][0]
+    for arr in tensors:
+        if arr.base is not base or not arr.flags.c_contiguous \
+                or arr.__array_interface__["data"][0] != at:
+            return None
+        at += arr.nbytes
+    return base if at == base.__array_interface__["data"][0] + base.nbytes else None
 
 
 # ---------------------------------------------------------------------------- bytes / files

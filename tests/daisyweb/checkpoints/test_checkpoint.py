@@ -18,6 +18,7 @@ from daisyweb.checkpoints.checkpoint import (
     CheckpointError,
     TokenizerInfo,
     checkpoint_from_bytes,
+    checkpoint_from_tree,
     checkpoint_to_bytes,
     checkpoint_to_file,
     checkpoint_to_tree,
@@ -132,6 +133,31 @@ def test_bytes_are_deterministic():
     a, b = checkpoint_to_bytes(_ckpt()), checkpoint_to_bytes(_ckpt())
     assert a == b
     assert checkpoint_to_bytes(_ckpt(seed=1)) != a
+
+
+def test_a_writers_check_reads_the_weights_in_place_only_from_one_flat_buffer():
+    ck = _ckpt()
+    tree = checkpoint_to_tree(ck)
+    assert checkpoint_from_tree(tree, _copy=False).params is ck.params  # no copy
+    assert checkpoint_from_tree(tree).params is not ck.params  # the default copies
+    # tensors that are not consecutive views of one writable buffer: assembled as before
+    apart = {k: (v.copy() if isinstance(v, np.ndarray) and k.startswith("params.") else v)
+             for k, v in tree.items()}
+    frozen = ck.params.copy()
+    frozen.flags.writeable = False
+    read_only = dict(tree, **{k: frozen[a:b].reshape(v.shape) for k, v, a, b in _spans(tree)})
+    for other in (apart, read_only):
+        back = checkpoint_from_tree(other, _copy=False)
+        assert back.params is not ck.params and back.params is not frozen
+        assert np.array_equal(back.params, ck.params) and back.params.flags.writeable
+
+
+def _spans(tree):
+    off = 0
+    for k, v in tree.items():
+        if k.startswith("params."):
+            yield k, v, off, off + v.size
+            off += v.size
 
 
 def test_a_checkpoint_written_to_a_file_is_the_same_bytes(tmp_path):
