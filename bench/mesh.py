@@ -15,8 +15,9 @@ the comparison is fair). Each measurement moves the same bytes between TWO PROCE
 * ``wire_both``: ``Mesh.send`` both ways at once, each process pinned to its own core
   (what a link in a training group does);
 * ``tcp``: plain asyncio streams, one write + drain per message;
-* ``snapshot``: a joiner's start: the leader builds the checkpoint of a fresh model
-  (the default, and width 256 / 6 layers), sends it as a ``wire.Snapshot``, the joiner
+* ``snapshot``: a joiner's start: the leader writes the checkpoint of a fresh model
+  (the default, and width 256 / 6 layers) to a spill file and sends it from there as a
+  ``wire.Snapshot`` (``peer.spill.Spooler``, as the peer does), the joiner
   reads and verifies it (``checkpoint_from_bytes``, weight hash) and acknowledges.
 
 A round sends ``count`` messages back to back; the receiver acknowledges the last one
@@ -546,8 +547,9 @@ async def _snap_receiver(conn: Connection, url: str, model: dict[str, int],
 async def _snapshot_once(model: dict[str, int], transport: str) -> tuple[float, int]:
     from aiohttp import web
 
-    from daisyweb.checkpoints.checkpoint import checkpoint_to_bytes
+    from daisyweb.checkpoints.checkpoint import checkpoint_to_file
     from daisyweb.net.mesh import Mesh, PeerUp, Received
+    from daisyweb.peer.spill import Spooler
     from daisyweb.protocol import wire
     from signaling.server import create_app
 
@@ -564,7 +566,9 @@ async def _snapshot_once(model: dict[str, int], transport: str) -> tuple[float, 
         while not isinstance(e := await asyncio.wait_for(m.next_event(), 60), PeerUp):
             pass
         t0 = time.perf_counter()
-        payload = checkpoint_to_bytes(state.checkpoint(info))
+        # As a leader does (peer.driver): written to a spill file, framed as it is read.
+        ckpt = state.checkpoint(info, copy=False)
+        payload = Spooler().spool(lambda file: checkpoint_to_file(ckpt, file))
         await m.send(e.peer, wire.Snapshot(0, state.weight_hash(), payload))
         while not (isinstance(r := await asyncio.wait_for(m.next_event(), 300), Received)
                    and isinstance(r.message, wire.Halt)):
