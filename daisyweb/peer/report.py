@@ -170,8 +170,10 @@ class Report:
         self.metrics.write(record)
         every = self.opts.save_every
         if self.opts.save and every and done // every > self.last_saved // every:
+            # The arrays are shared, not copied (16 MB): written out right here, on the
+            # event loop, before anything can replace or step them.
             try:
-                save_checkpoint(self.opts.save, state.checkpoint(self.tokinfo))
+                save_checkpoint(self.opts.save, state.checkpoint(self.tokinfo, copy=False))
                 self.last_saved = done
             except CheckpointError as exc:
                 # The write is atomic (the old file stays) and the replica is fine, so
@@ -246,7 +248,7 @@ class Report:
         save_error = None
         if self.opts.save and state is not None:
             try:
-                save_checkpoint(self.opts.save, state.checkpoint(self.tokinfo))
+                save_checkpoint(self.opts.save, state.checkpoint(self.tokinfo, copy=False))
                 saved = self.opts.save
             except CheckpointError as exc:
                 save_error = str(exc)

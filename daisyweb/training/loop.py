@@ -84,7 +84,8 @@ def train_local(
     def save_now(final: bool) -> None:
         nonlocal save_error
         try:
-            save_checkpoint(save, state.checkpoint(tokenizer))  # type: ignore[arg-type]
+            # Shared, not copied: written out before the loop steps the arrays again.
+            save_checkpoint(save, state.checkpoint(tokenizer, copy=False))  # type: ignore[arg-type]
         except CheckpointError as exc:
             save_error = exc if final else save_error
             if on_save_error is None:

@@ -5,6 +5,7 @@ import struct
 import subprocess
 import sys
 import time
+import tracemalloc
 import zipfile
 
 import numpy as np
@@ -346,6 +347,32 @@ def test_save_refuses_invalid_checkpoint_before_touching_disk(tmp_path):
     assert _dir_names(tmp_path) == []
     with pytest.raises(CheckpointError, match="cannot create"):
         save_checkpoint(tmp_path / "no-such-dir" / "x.pt", _ckpt())
+
+
+def demo_checkpoint() -> Checkpoint:
+    """A checkpoint of the demo default's size (16 MB): weights and both moments."""
+    cfg = ModelConfig(vocab=2048)  # the built-in tokenizer's, the demo's dimensions
+    n = param_count(cfg)
+    params = np.random.default_rng(0).standard_normal(n).astype(np.float32)
+    opt = DaisyAdam(AdamConfig(lr=5e-3), n)
+    opt.step(params, np.random.default_rng(1).standard_normal(n).astype(np.float32))
+    run = {"batch": 8, "steps": 300, "lr": 5e-3, "seed": 0, "data": "builtin"}
+    tok = TokenizerInfo(vocab_size=2048, file_hash="ab" * 32)
+    return make_checkpoint(cfg, tok, params, opt, run)
+
+
+def test_a_save_writes_the_archive_as_it_encodes_it(tmp_path):
+    """save_checkpoint never holds the archive (16 MB at the demo default) in memory:
+    what it allocates is the reader's checks' masks (~2.5 MB)."""
+    ckpt = demo_checkpoint()
+    tracemalloc.start()
+    try:
+        save_checkpoint(tmp_path / "a.pt", ckpt)
+        _, peak = tracemalloc.get_traced_memory()
+    finally:
+        tracemalloc.stop()
+    assert peak < 4_000_000, peak
+    assert (tmp_path / "a.pt").read_bytes() == checkpoint_to_bytes(ckpt)
 
 
 def test_saved_file_has_normal_permissions(tmp_path):

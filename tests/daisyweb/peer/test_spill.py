@@ -8,23 +8,15 @@ import tracemalloc
 from pathlib import Path
 from typing import BinaryIO
 
-import numpy as np
 import pytest
 
-from daisyweb.checkpoints.checkpoint import (
-    Checkpoint,
-    TokenizerInfo,
-    checkpoint_to_bytes,
-    checkpoint_to_file,
-    make_checkpoint,
-)
-from daisyweb.model import ModelConfig, param_count
-from daisyweb.optim import AdamConfig, DaisyAdam
+from daisyweb.checkpoints.checkpoint import checkpoint_to_bytes, checkpoint_to_file
 from daisyweb.peer.spill import SpillArchive, SpilledPayloads, Spooler, spill_dir
 from daisyweb.protocol import wire
 from daisyweb.protocol.codec import F32
 from daisyweb.protocol.ledger import HOT_STEPS
 from daisyweb.protocol.sync import HISTORY, Send
+from tests.daisyweb.checkpoints.test_checkpoint import demo_checkpoint
 from tests.daisyweb.protocol.test_sync import Bus
 
 PAYLOADS = {"a": os.urandom(1000), "b": b"", "c": os.urandom(70001)}
@@ -89,24 +81,12 @@ def test_a_leader_keeps_the_last_two_steps_in_memory_and_repairs_older_ones_from
     assert leader.message("c", wire.RepairRequest(kept[0] - 1, "b"), bus.now) == []
 
 
-def _demo_checkpoint() -> Checkpoint:
-    """A checkpoint of the demo default's size (16 MB): weights and both moments."""
-    cfg = ModelConfig(vocab=2048)  # the built-in tokenizer's, the demo's dimensions
-    n = param_count(cfg)
-    params = np.random.default_rng(0).standard_normal(n).astype(np.float32)
-    opt = DaisyAdam(AdamConfig(lr=5e-3), n)
-    opt.step(params, np.random.default_rng(1).standard_normal(n).astype(np.float32))
-    run = {"batch": 8, "steps": 300, "lr": 5e-3, "seed": 0, "data": "builtin"}
-    tok = TokenizerInfo(vocab_size=2048, file_hash="ab" * 32)
-    return make_checkpoint(cfg, tok, params, opt, run)
-
-
 def test_a_snapshot_is_spooled_to_an_unlinked_file_not_held_in_memory(tmp_path: Path) -> None:
     """The leader's snapshot goes out from a file: spooling it allocates only what the
     reader's checks, run before anything is written, take (the finite checks' masks,
     ~2.5 MB; they read the weights in place), not the 16 MB payload nor a copy of the
     weights (5.3 MB); it reads back as the very bytes of the checkpoint."""
-    ckpt = _demo_checkpoint()
+    ckpt = demo_checkpoint()
     tracemalloc.start()
     try:
         payload = Spooler(str(tmp_path)).spool(lambda f: checkpoint_to_file(ckpt, f))
