@@ -1,13 +1,35 @@
 """A real ``daisyweb-signal`` app on a free 127.0.0.1 port, with a client session: the
-server the signaling tests talk to (started and stopped by each test)."""
+server the signaling tests talk to (started and stopped by each test); and
+:func:`serving`, any aiohttp app on a free 127.0.0.1 port for one block."""
 
 from __future__ import annotations
+
+import contextlib
+from collections.abc import AsyncIterator
 
 import aiohttp
 from aiohttp import web
 
 from signaling import server
 from signaling.server import REGISTRY, create_app
+
+
+async def _listen(runner: web.AppRunner) -> str:
+    """Start ``runner`` (set up) on a free 127.0.0.1 port: its base URL."""
+    site = web.TCPSite(runner, "127.0.0.1", 0)
+    await site.start()
+    return f"http://127.0.0.1:{site._server.sockets[0].getsockname()[1]}"
+
+
+@contextlib.asynccontextmanager
+async def serving(app: web.Application) -> AsyncIterator[str]:
+    """``app`` served on a free 127.0.0.1 port while the block runs: its base URL."""
+    runner = web.AppRunner(app)
+    await runner.setup()
+    try:
+        yield await _listen(runner)
+    finally:
+        await runner.cleanup()
 
 
 class Server:
@@ -17,9 +39,7 @@ class Server:
 
     async def start(self) -> Server:
         await self.runner.setup()
-        site = web.TCPSite(self.runner, "127.0.0.1", 0)
-        await site.start()
-        self.url = f"http://127.0.0.1:{site._server.sockets[0].getsockname()[1]}"
+        self.url = await _listen(self.runner)
         self.session = aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0))
         return self
 

@@ -25,6 +25,7 @@ from signaling.fineweb import (
     resolve_endpoint,
 )
 from signaling.server import FINEWEB, create_app
+from tests.signaling.local_server import serving
 
 ROW_GROUPS = 8
 ROWS = 40
@@ -174,13 +175,9 @@ async def hub(shard_file, localhost_only):
     h = Hub(data, {"sample/10BT/000_00000.parquet"})
     app = web.Application()
     app.router.add_route("*", "/{tail:.*}", h.handle)
-    runner = web.AppRunner(app)
-    await runner.setup()
-    site = web.TCPSite(runner, "127.0.0.1", 0)
-    await site.start()
-    h.url = f"http://127.0.0.1:{site._server.sockets[0].getsockname()[1]}"
-    yield h
-    await runner.cleanup()
+    async with serving(app) as url:
+        h.url = url
+        yield h
     assert localhost_only, "the test made no connection at all"
 
 
@@ -208,17 +205,9 @@ async def make_reader():
 
 
 async def _get(app: web.Application) -> tuple[str, str]:
-    runner = web.AppRunner(app)
-    await runner.setup()
-    site = web.TCPSite(runner, "127.0.0.1", 0)
-    await site.start()
-    port = site._server.sockets[0].getsockname()[1]
-    try:
-        async with aiohttp.ClientSession() as s, s.get(f"http://127.0.0.1:{port}/data") as r:
-            assert r.status == 200 and r.content_type == "text/plain"
-            return await r.text(), r.headers["X-Daisyweb-Source"]
-    finally:
-        await runner.cleanup()
+    async with serving(app) as url, aiohttp.ClientSession() as s, s.get(url + "/data") as r:
+        assert r.status == 200 and r.content_type == "text/plain"
+        return await r.text(), r.headers["X-Daisyweb-Source"]
 
 
 def _docs_of(text: str) -> list[str]:

@@ -39,6 +39,7 @@ from daisyweb.net.mesh import (
 from daisyweb.protocol import framing, wire
 from signaling import protocol
 from signaling.server import REGISTRY, create_app
+from tests.signaling.local_server import serving
 
 # aiortc's SCTP waits at least 1 s (its minimum RTO) to resend a lost packet, and a
 # loaded loop does drop loopback UDP during big transfers: timeouts stay above that.
@@ -504,18 +505,11 @@ async def test_a_refused_handshake_says_what_the_server_said():
 
     app = web.Application()
     app.router.add_get("/ws", refuse)
-    runner = web.AppRunner(app)
-    await runner.setup()
-    site = web.TCPSite(runner, "127.0.0.1", 0)
-    await site.start()
-    port = site._server.sockets[0].getsockname()[1]
-    try:
-        m = Mesh(f"http://127.0.0.1:{port}", ice_hosts=["127.0.0.1"], join_timeout=3)
+    async with serving(app) as url:
+        m = Mesh(url, ice_hosts=["127.0.0.1"], join_timeout=3)
         with pytest.raises(MeshError, match="refused the connection: 403 closed for maint"):
             await m.start()
         await m.close()
-    finally:
-        await runner.cleanup()
 
 
 def test_a_peer_does_not_load_aiohttp():
