@@ -214,8 +214,7 @@ class Faults:
         """A snapshot as the leader sends it: one byte flipped, or a wrong hash."""
         if self.hooks.corrupt_snapshot == "byte":
             # One flipped byte, which the follower must catch before using it.
-            data = bytearray(payload if isinstance(payload, bytes)
-                             else payload.read(0, len(payload)))
+            data = bytearray(bytes(payload))
             data[len(data) // 2] ^= 0x01
             payload = bytes(data)
         elif self.hooks.corrupt_snapshot == "hash":

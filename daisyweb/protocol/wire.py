@@ -160,6 +160,10 @@ class SpooledBytes:
             raise WireError(f"spooled bytes: read {len(data)} of {n} bytes at {start}")
         return data
 
+    def __bytes__(self) -> bytes:
+        """All of them, in memory (a caller that needs the whole payload at once)."""
+        return self.read(0, self._size)
+
     def blocks(self, size: int = 1 << 20) -> Any:
         """All the bytes, ``size`` at a time (an iterator)."""
         return (self.read(lo, min(lo + size, self._size)) for lo in range(0, self._size, size))
@@ -496,8 +500,7 @@ def encode(msg: Message) -> bytes:
     """Message -> msgpack bytes (a map with ``type`` plus every field)."""
     d = _as_map(msg)
     if any(type(v) is SpooledBytes for v in d.values()):
-        return b"".join(p.read(0, len(p)) if type(p) is SpooledBytes else p
-                        for p in encode_parts(msg))
+        return b"".join(bytes(p) if type(p) is SpooledBytes else p for p in _parts(d))
     return msgpack.packb(d, use_bin_type=True)
 
 
@@ -512,7 +515,11 @@ def encode_parts(msg: Message) -> tuple[Part, ...]:
     field at the end (a snapshot's payload) is a part of its own, a view of the
     message's buffer (or the :class:`SpooledBytes` themselves), so sending it never
     copies the whole message once more."""
-    d = _as_map(msg)
+    return _parts(_as_map(msg))
+
+
+def _parts(d: dict[str, Any]) -> tuple[Part, ...]:
+    """:func:`encode_parts` of a message's map (``_as_map``)."""
     last = next(reversed(d))  # msgpack packs a map in this order: the last field last
     big = d[last]
     spooled = type(big) is SpooledBytes
@@ -521,7 +528,7 @@ def encode_parts(msg: Message) -> tuple[Part, ...]:
     d[last] = b""
     head = msgpack.packb(d, use_bin_type=True)  # ends in a bin8 of length 0
     if not head.endswith(b"\xc4\x00"):  # another layout: the plain way
-        d[last] = big.read(0, len(big)) if spooled else big
+        d[last] = bytes(big)
         return (msgpack.packb(d, use_bin_type=True),)
     n = len(big)
     # msgpack's own choice of bin header: the shortest that holds n

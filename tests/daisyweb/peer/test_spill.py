@@ -97,7 +97,7 @@ def test_a_snapshot_is_spooled_to_an_unlinked_file_not_held_in_memory(tmp_path: 
     assert list(tmp_path.iterdir()) == []  # deleted from the directory at once
     whole = checkpoint_to_bytes(ckpt)
     assert len(whole) > 15_000_000 and peak < 4_000_000, peak
-    assert payload.read(0, len(payload)) == whole
+    assert bytes(payload) == whole
 
 
 def test_without_a_usable_directory_a_snapshot_stays_in_memory_said_once(
