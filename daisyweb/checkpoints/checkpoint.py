@@ -43,11 +43,13 @@ current training state valid.
 
 Writing
 -------
-:func:`checkpoint_to_bytes` runs the same validation on the tree it is about to write (a
-corrupt in-memory checkpoint is refused before it reaches disk or the wire) and is
-deterministic: the same checkpoint always gives the same bytes. :func:`save_checkpoint`
-writes atomically (temp file in the target directory, fsync, ``os.replace``, directory
-fsync), so a crash leaves either the old file or the new one, never a torn one.
+:func:`checkpoint_to_bytes` (like :func:`checkpoint_to_file` and :func:`save_checkpoint`,
+which write the same bytes into a file as they are encoded) runs the same validation on
+the tree it is about to write (a corrupt in-memory checkpoint is refused before it
+reaches disk or the wire) and is deterministic: the same checkpoint always gives the
+same bytes. :func:`save_checkpoint` writes atomically (temp file in the target
+directory, fsync, ``os.replace``, directory fsync), so a crash leaves either the old file
+or the new one, never a torn one.
 """
 
 from __future__ import annotations

@@ -120,7 +120,7 @@ class _Encoder:
             raise TypeError(f"unsupported array dtype {arr.dtype}")
         # C order in the file's byte order: a view of ``arr`` itself when it already is
         # (no copy of the weights and moments: the file is built before anything can
-        # change them, save_pt and dumps_pt being synchronous), else a converted copy.
+        # change them, every writer here being synchronous), else a converted copy.
         arr = np.asarray(arr, dtype=dt, order="C")  # keeps 0-d shape
         key = str(len(self.storages))
         self.storages.append(memoryview(arr.reshape(-1)).cast("B"))
