@@ -1,9 +1,9 @@
 """Signaling protocol: message constants, one validating decoder, and the client side.
 
 The server decodes every client message with :func:`decode`. A client builds what it
-sends with :func:`signal`, :func:`decision` and :func:`status`, and reads what the
-server sends with :func:`parse_server`, which returns one of the frozen dataclasses
-below (``docs/protocol.md`` lists every message).
+sends with :func:`signal`, :func:`decision`, :func:`policy` and :func:`status`, and reads
+what the server sends with :func:`parse_server`, which returns one of the frozen
+dataclasses below (``docs/protocol.md`` lists every message).
 """
 
 from __future__ import annotations
@@ -23,6 +23,8 @@ ROOM_RE = re.compile(r"[A-Za-z0-9_-]{4,64}")
 ROOM_RULE = "4-64 characters of A-Z a-z 0-9 _ -"
 ID_RE = re.compile(r"[0-9a-f]{1,32}")
 SIGNAL_KINDS = ("offer", "answer", "candidate")
+# A private room's approval mode (daisyweb-peer --approve): its first host's, for good.
+APPROVE_MODES = ("ask", "auto")
 # Optional status fields shown on the dashboard. "ok"/"bad" are the usual probe
 # values; any short string (e.g. a probe hash prefix) is accepted too.
 RUN_STATES = ("starting", "training", "halted", "done", "waiting")
@@ -217,6 +219,13 @@ def _links(msg: dict) -> dict[str, float | None]:
     return out
 
 
+def _approve_mode(msg: Mapping[str, Any]) -> str:
+    mode = _field(dict(msg), "approve", (str,), "a string")
+    if mode not in APPROVE_MODES:
+        raise ProtocolError("bad_field", "approve must be one of " + ", ".join(APPROVE_MODES))
+    return str(mode)
+
+
 def _status(msg: dict) -> dict[str, Any]:
     out = {
         "type": "status",
@@ -249,6 +258,8 @@ def decode(raw: str | bytes) -> dict[str, Any]:
         return {"type": "signal", "to": to, "kind": skind, "data": data}
     if kind in ("approve", "deny"):
         return {"type": kind, "id": _peer_id(msg, "id")}
+    if kind == "policy":
+        return {"type": "policy", "approve": _approve_mode(msg)}
     if kind == "status":
         return _status(msg)
     if isinstance(kind, str):
@@ -268,6 +279,12 @@ def signal(to: str, kind: str, data: dict[str, Any]) -> dict[str, Any]:
 def decision(peer_id: str, approve: bool) -> dict[str, Any]:
     """The host's ``approve`` or ``deny`` of a waiting peer."""
     return {"type": "approve" if approve else "deny", "id": peer_id}
+
+
+def policy(approve: str) -> dict[str, Any]:
+    """The host's approval mode for its room (``ask`` or ``auto``); the server keeps the
+    first host's and answers with the room's mode, which the host then applies."""
+    return {"type": "policy", "approve": approve}
 
 
 def status(fields: Mapping[str, Any]) -> dict[str, Any]:
@@ -334,6 +351,14 @@ class HostKey:
 
 
 @dataclass(frozen=True)
+class Policy:
+    """To the host: the room's approval mode (``ask`` or ``auto``), which it applies
+    whatever its own ``--approve`` says, so a handover neither loosens nor tightens it."""
+
+    approve: str
+
+
+@dataclass(frozen=True)
 class Decision:
     """To the host: a decision made on its dashboard page, for it to act on."""
 
@@ -357,8 +382,8 @@ class UnknownMessage:
 
 
 ServerMessage = (
-    Welcome | PeerList | Waiting | Approved | Denied | Relayed | HostKey | Decision
-    | Refused | UnknownMessage
+    Welcome | PeerList | Waiting | Approved | Denied | Relayed | HostKey | Policy
+    | Decision | Refused | UnknownMessage
 )
 
 
@@ -406,6 +431,8 @@ def parse_server(msg: Mapping[str, Any]) -> ServerMessage:
         return Relayed(str(_req(msg, "from")), str(_req(msg, "kind")), data)
     if kind == "host_key":
         return HostKey(str(_req(msg, "key")))
+    if kind == "policy":
+        return Policy(_approve_mode(msg))
     if kind == "decision":
         return Decision(str(_req(msg, "id")), bool(_req(msg, "approve")))
     if kind == "error":

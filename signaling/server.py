@@ -1,4 +1,20 @@
-"""aiohttp signaling server: groups, private rooms, relay, liveness."""
+"""aiohttp signaling server: groups, private rooms, relay, liveness.
+
+A private room's policy outlives its host. Its approval mode is the first host's
+(``policy`` message, ``daisyweb-peer --approve``): the server keeps it in
+:attr:`Group.approve` and tells every later host, whose client applies it instead of its
+own flag, so a handover neither loosens (``ask`` -> ``auto``) nor tightens the room. Who
+the room already approved is its member set, which the server holds: members stay
+admitted across a handover and the new host is never asked about them.
+
+There is no allow-list of approved peer ids for peers that come back. Ids are drawn by
+the server per connection (:meth:`Registry.new_id`, random, never chosen by a client), so
+a peer whose socket closed rejoins under a new id that nobody approved: an id-based
+allow-list could never match it, and a list keyed by anything a client states (its name)
+would let anyone with the code claim someone else's approval. A returning peer therefore
+knocks like any other: in an ``auto`` room it is admitted at once, in an ``ask`` room its
+host is asked again.
+"""
 
 from __future__ import annotations
 
@@ -104,6 +120,9 @@ class Group:
     # Private rooms: the secret of the dashboard link, valid only for the peer in key_holder.
     host_key: str | None = None
     key_holder: str | None = None
+    # Private rooms: the approval mode ("ask"/"auto") its first host set; every later host
+    # is told it and applies it, whatever its own --approve says.
+    approve: str | None = None
 
     def roster(self) -> list[dict[str, str]]:
         return [{"id": p.id, "name": p.name} for p in self.members.values()]
@@ -276,8 +295,13 @@ async def sync_host_key(group: Group) -> None:
     group.key_holder = group.host
     group.host_key = secrets.token_urlsafe(24) if group.host else None
     host = group.members.get(group.host) if group.host else None
-    if host is not None and group.host_key is not None:
-        await _send(host, {"type": "host_key", "key": group.host_key})
+    if host is None or group.host_key is None:
+        return
+    # The room's mode goes first: the new host knows how to admit before it hears that it
+    # hosts (host_key, peers) and before the waiting list that broadcast() sends next.
+    if group.approve is not None:
+        await _send(host, {"type": "policy", "approve": group.approve})
+    await _send(host, {"type": "host_key", "key": group.host_key})
 
 
 def key_ok(group: Group, key: object) -> bool:
@@ -424,6 +448,16 @@ async def handle(reg: Registry, peer: Peer, group: Group, msg: dict[str, Any]) -
             await _send(other, {"type": "denied"})
             await other.ws.close(code=1008, message=b"denied")
         await broadcast(group)
+    elif kind == "policy":
+        if group.host != peer.id:
+            await _reply_error(peer, "not_host", "only the host sets the room's policy")
+            return
+        # The first host's mode is the room's for good; a later host's own flag is no
+        # say in it. The answer is always the room's mode, for the host to apply.
+        if group.approve is None:
+            group.approve = msg["approve"]
+            log.info("room %s admits with approve=%s", group.id, group.approve)
+        await _send(peer, {"type": "policy", "approve": group.approve})
     elif kind == "status":
         group.status = {k: msg[k] for k in ("step", "loss", "hash", "peers")} | {"from": peer.id}
         report = {k: v for k, v in msg.items() if k != "type"} | {"t": time.time()}

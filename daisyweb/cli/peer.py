@@ -105,7 +105,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--room", default=None, help="private room code (4-64 of A-Z a-z 0-9 _ -)")
     p.add_argument("--name", default=None, help="name shown on the dashboard")
     p.add_argument("--approve", choices=("ask", "auto"), default="ask",
-                   help="host only: ask on the terminal, or admit everyone with the code")
+                   help="host only: ask on the terminal, or admit everyone with the code; "
+                        "a room keeps its first host's choice when hosting passes on")
     p.add_argument("--start", action="store_true", help="lead: this peer's flags are the run")
     # Run flags stay None when not given (a --resume conflict names only given flags);
     # a --start without --resume fills them from DEFAULTS.

@@ -6,6 +6,13 @@ at most one per ``STATUS_MIN_INTERVAL``). On the host of a private room it also 
 waiting peers: through the ``approve`` callback, or the dashboard's decision when that
 comes first. Every message is built and parsed by :mod:`signaling.protocol`.
 
+How the host admits is the room's, not this peer's: on becoming host the client states
+its own mode (``approve`` None is ``auto``, a callback ``ask``) in a ``policy`` message
+and applies the mode the server answers with, which is the room's first host's. So a
+peer that inherits an ``auto`` room admits everyone even with a callback, and one that
+inherits an ``ask`` room without a callback admits nobody by itself: its dashboard link
+decides (``decision`` messages), as for any host without a terminal.
+
 It knows nothing of links: the mesh hears of member changes and relayed signals
 through the two callbacks it passes in.
 """
@@ -94,6 +101,8 @@ class SignalingClient:
         self.members: tuple[str, ...] = ()
         self.host_key: str | None = None
         self.member_key: str | None = None  # our own (read-only) dashboard view of the room
+        # The room's approval mode as the server last told this host (None: not told yet).
+        self.room_approve: str | None = None
         self.up = False  # the socket is open and being read
 
         self._ws: ClientConnection | None = None
@@ -102,6 +111,7 @@ class SignalingClient:
         self._waiting: dict[str, str] = {}
         self._deciding: dict[str, asyncio.Task[None]] = {}
         self._decided: set[str] = set()
+        self._on_dashboard: set[str] = set()  # waiting peers only the dashboard may admit
         self._status_last = 0.0
         self._status_pending: dict[str, Any] | None = None
         self._status_task: asyncio.Task[None] | None = None
@@ -304,7 +314,11 @@ class SignalingClient:
         elif isinstance(msg, protocol.Decision):
             await self._on_decision(msg.id, msg.approve)
         elif isinstance(msg, protocol.HostKey):
-            self.host_key = msg.key
+            self.host_key = msg.key  # sent exactly when this peer becomes host
+            if self.room_approve is None:
+                await self._propose_policy()
+        elif isinstance(msg, protocol.Policy):
+            self._on_policy(msg.approve)
         elif isinstance(msg, protocol.Relayed):
             await self._on_signal(msg.sender, msg.kind, msg.data)
         elif isinstance(msg, protocol.Refused):
@@ -321,6 +335,32 @@ class SignalingClient:
 
     # ------------------------------------------------------------------ host approval
 
+    @property
+    def own_approve(self) -> str:
+        """This peer's own mode: ``auto`` without a callback, else ``ask``."""
+        return "auto" if self.approve is None else "ask"
+
+    @property
+    def approve_mode(self) -> str:
+        """How this peer admits while it hosts: the room's mode once the server said it,
+        its own until then (a first host's own mode is the room's)."""
+        return self.room_approve or self.own_approve
+
+    async def _propose_policy(self) -> None:
+        try:
+            await self._send(protocol.policy(self.own_approve))
+        except MeshError as e:
+            log.warning("could not send the room's approval mode: %s", e)
+
+    def _on_policy(self, mode: str) -> None:
+        if mode == self.room_approve:
+            return
+        self.room_approve = mode
+        if mode != self.own_approve:
+            log.warning("this room admits with --approve %s (its first host's choice), "
+                        "not this peer's --approve %s", mode, self.own_approve)
+        self._review_waiting()  # peers already waiting are decided by the room's mode
+
     def _on_waiting(self, msg: protocol.Waiting) -> None:
         self._waiting = dict(msg.peers)
         for pid, task in list(self._deciding.items()):
@@ -328,12 +368,27 @@ class SignalingClient:
                 task.cancel()
                 del self._deciding[pid]
         self._decided &= set(self._waiting)
+        self._on_dashboard &= set(self._waiting)
+        self._review_waiting()
+
+    def _review_waiting(self) -> None:
         for pid, name in self._waiting.items():
-            if pid in self._decided or pid in self._deciding:
+            if pid in self._decided:
                 continue
-            if self.approve is None:
+            if self.approve_mode == "auto":
+                task = self._deciding.pop(pid, None)
+                if task is not None:  # the room admits everyone: no prompt to wait for
+                    task.cancel()
                 self._decided.add(pid)
                 self._tasks.spawn(self._send(protocol.decision(pid, True)))
+            elif pid in self._deciding or pid in self._on_dashboard:
+                continue
+            elif self.approve is None:
+                # An ask room inherited by a peer with no prompt: it never admits by
+                # itself; the host's dashboard link decides (_on_decision).
+                self._on_dashboard.add(pid)
+                log.warning("%s (%s) is waiting: this room asks; accept or deny on "
+                            "this host's dashboard link", pid, name)
             else:
                 self._deciding[pid] = asyncio.create_task(self._ask(pid, name))
 

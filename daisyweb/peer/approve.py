@@ -16,6 +16,9 @@ Ask = Callable[..., Awaitable[bool]]
 def approve_callback(approve: str, host_link: Callable[[], str | None]) -> Ask | None:
     """None for ``auto`` (the mesh admits everyone with the code); else a prompt.
 
+    Either is only this peer's proposal: a peer that inherits hosting applies the room's
+    mode (its first host's), which the signaling client learns from the server.
+
     The prompt asks on the terminal; with no terminal, the dashboard (``host_link``)
     decides, and the mesh cancels the wait when its decision arrives.
     """

@@ -17,6 +17,9 @@ def test_client_messages_pass_the_server_decoder():
         "type": "approve", "id": "0b"}
     assert protocol.decode(json.dumps(protocol.decision("0b", False))) == {
         "type": "deny", "id": "0b"}
+    for mode in ("ask", "auto"):
+        assert protocol.decode(json.dumps(protocol.policy(mode))) == {
+            "type": "policy", "approve": mode}
     fields = {"step": 3, "loss": 1.5, "hash": "ab", "peers": 2, "state": "training"}
     st = protocol.status(fields)
     assert st == {"type": "status", **fields}
@@ -37,6 +40,7 @@ def test_parse_server_messages():
         protocol.Relayed("01", "answer", {"sdp": "s"}))
     assert p({"type": "host_key", "key": "k"}) == protocol.HostKey("k")
     assert p({"type": "decision", "id": "02", "approve": True}) == protocol.Decision("02", True)
+    assert p({"type": "policy", "approve": "auto"}) == protocol.Policy("auto")
     assert p({"type": "error", "code": "bad_field", "message": "m"}) == (
         protocol.Refused("bad_field", "m"))
     assert p({"type": "new-thing"}) == protocol.UnknownMessage("new-thing")
@@ -51,7 +55,22 @@ def test_parse_server_messages():
     {"type": "signal", "from": "01", "kind": "offer", "data": "not an object"},
     {"type": "host_key"},
     {"type": "decision", "id": "01"},
+    {"type": "policy"},
+    {"type": "policy", "approve": "sometimes"},
+    {"type": "policy", "approve": True},
 ])
 def test_parse_server_refuses_incomplete(msg: dict):
     with pytest.raises(protocol.ProtocolError):
         protocol.parse_server(msg)
+
+
+@pytest.mark.parametrize(("msg", "code"), [
+    ({"type": "policy"}, "missing_field"),
+    ({"type": "policy", "approve": "maybe"}, "bad_field"),
+    ({"type": "policy", "approve": ["auto"]}, "bad_field"),
+    ({"type": "policy", "approve": None}, "bad_field"),
+])
+def test_policy_refused_unless_ask_or_auto(msg: dict, code: str):
+    with pytest.raises(protocol.ProtocolError) as exc:
+        protocol.decode(json.dumps(msg))
+    assert exc.value.code == code

@@ -1,12 +1,17 @@
-"""Waiting peers are never stranded when a host leaves; rate limit set through create_app."""
+"""Waiting peers are never stranded when a host leaves; the room's approval mode passes
+to the next host; rate limit set through create_app."""
 
 from __future__ import annotations
 
 import asyncio
+from collections.abc import Callable
+from typing import Any
 
 import aiohttp
 import pytest
 
+from daisyweb.net.events import JoinTimeout
+from daisyweb.net.signaling_client import Approve, SignalingClient
 from signaling.server import RATE_BURST, REGISTRY, create_app
 from tests.signaling.local_server import Server
 
@@ -55,6 +60,149 @@ async def test_new_host_gets_the_waiting_list(srv):
     await recv(knock, "approved")
     await second.close()
     await knock.close()
+
+
+# ---------------------------------------------------------------- the room's policy
+
+
+async def test_the_first_hosts_policy_passes_to_the_next_host(srv):
+    host = await srv.ws(room="keep-auto", name="h")
+    await recv(host, "welcome")
+    await host.send_json({"type": "policy", "approve": "auto"})
+    assert (await recv(host, "policy"))["approve"] == "auto"
+    second = await srv.ws(room="keep-auto", name="m")
+    w2 = await recv(second, "welcome")
+    await host.send_json({"type": "approve", "id": w2["id"]})
+    await recv(second, "approved")
+    # a member that does not host has no say in the room's policy
+    await second.send_json({"type": "policy", "approve": "ask"})
+    err = await recv(second, "error")
+    assert err["code"] == "not_host"
+    await host.close()
+
+    # the new host hears the room's mode before it hears that it hosts
+    order = []
+    while "peers" not in order or order[-1] != "peers":
+        msg = await asyncio.wait_for(second.receive_json(), 2.0)
+        order.append(msg["type"])
+        if msg["type"] == "policy":
+            assert msg["approve"] == "auto"
+        if msg["type"] == "peers" and msg["host"] != w2["id"]:
+            order.pop()  # a roster sent before the host left
+    assert order.index("policy") < order.index("host_key") < order.index("peers")
+    # its own flag neither loosens nor tightens the room: the answer is the room's mode
+    await second.send_json({"type": "policy", "approve": "ask"})
+    assert (await recv(second, "policy"))["approve"] == "auto"
+    assert srv.reg.room("keep-auto").approve == "auto"
+    await second.close()
+
+
+async def test_policy_only_from_the_host_of_a_private_room(srv):
+    host = await srv.ws(room="who-sets", name="h")
+    await recv(host, "welcome")
+    await host.send_json({"type": "policy", "approve": "maybe"})
+    assert (await recv(host, "error"))["code"] == "bad_field"
+    knock = await srv.ws(room="who-sets", name="k")
+    await recv(knock, "welcome")
+    await knock.send_json({"type": "policy", "approve": "auto"})  # invisible, powerless
+    assert (await recv(knock, "error"))["code"] == "not_approved"
+    public = await srv.ws(name="p")
+    await recv(public, "welcome")
+    await public.send_json({"type": "policy", "approve": "auto"})  # no host, no policy
+    assert (await recv(public, "error"))["code"] == "not_host"
+    assert srv.reg.room("who-sets").approve is None
+    await host.send_json({"type": "policy", "approve": "ask"})
+    assert (await recv(host, "policy"))["approve"] == "ask"
+    for ws in (host, knock, public):
+        await ws.close()
+
+
+def _client(srv: Server, room: str, name: str, approve: Approve | None,
+            join_timeout: float = 5.0) -> SignalingClient:
+    async def on_signal(peer: str, kind: str, data: dict[str, Any]) -> None:
+        pass
+
+    return SignalingClient(srv.url, room=room, name=name, approve=approve,
+                           join_timeout=join_timeout, on_members=lambda old, changed: None,
+                           on_signal=on_signal)
+
+
+async def until(pred: Callable[[], bool], timeout: float = 5.0) -> None:
+    for _ in range(int(timeout / 0.02)):
+        if pred():
+            return
+        await asyncio.sleep(0.02)
+    raise AssertionError("condition not met in time")
+
+
+async def test_an_auto_room_keeps_admitting_under_a_host_that_would_ask(srv):
+    asked: list[str] = []
+
+    async def ask(pid: str, name: str) -> bool:
+        asked.append(name)
+        return False  # this peer's own flag would turn everyone away
+
+    first = _client(srv, "auto-room", "first", None)  # --approve auto
+    second = _client(srv, "auto-room", "second", ask)  # --approve ask
+    clients = [first, second]
+    try:
+        await first.join()
+        await until(lambda: first.room_approve == "auto")
+        await second.join()  # the first host admits it by itself
+        await first.close()  # killed: hosting passes to the second
+        await until(lambda: second.host == second.self_id and second.host_key is not None)
+        assert second.room_approve == "auto" and second.approve_mode == "auto"
+        third = _client(srv, "auto-room", "third", None)
+        clients.append(third)
+        await third.join()  # admitted without asking anyone (JoinDenied if asked)
+        await until(lambda: third.self_id in second.members)
+        assert asked == []
+    finally:
+        for c in clients:
+            await c.close()
+
+
+async def test_an_ask_room_keeps_asking_under_a_host_that_would_admit(srv):
+    gate = asyncio.Event()
+
+    async def ask(pid: str, name: str) -> bool:
+        if name == "second":
+            return True
+        await gate.wait()  # everyone else: the first host has not answered yet
+        return True
+
+    first = _client(srv, "ask-room", "first", ask)  # --approve ask
+    second = _client(srv, "ask-room", "second", None)  # --approve auto
+    early = _client(srv, "ask-room", "early", None)  # knocks while the first hosts
+    early_join: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+    clients = [first, second, early]
+    try:
+        await first.join()
+        await until(lambda: first.room_approve == "ask")
+        await second.join()
+        early_join = asyncio.create_task(early.join())
+        await until(lambda: len(first._waiting) == 1)
+        await first.close()  # hosting (and the waiting list) passes to the second
+        await until(lambda: second.host == second.self_id and second.host_key is not None)
+        assert second.room_approve == "ask" and second.approve_mode == "ask"
+        late = _client(srv, "ask-room", "late", None, join_timeout=1.0)
+        clients.append(late)
+        with pytest.raises(JoinTimeout, match="not approved"):
+            await late.join()  # asked for, never admitted by a host with no prompt
+        assert not early_join.done() and len(second.members) == 1
+        assert set(second._waiting) == {early.self_id, late.self_id}
+        # the room's dashboard still decides: the new host's link admits the early knock
+        async with srv.session.post(
+                f"{srv.url}/api/rooms/ask-room/decide",
+                json={"key": second.host_key, "id": early.self_id, "approve": True}) as r:
+            assert r.status == 200
+        await asyncio.wait_for(early_join, 5)
+        await until(lambda: early.self_id in second.members)
+        assert late.self_id not in second.members
+    finally:
+        early_join.cancel()
+        for c in clients:
+            await c.close()
 
 
 async def closed_with_reason(ws) -> tuple[dict, aiohttp.WSMessage]:
