@@ -39,7 +39,14 @@ from daisyweb.net.outbox import Outboxes
 from daisyweb.peer import handshake
 from daisyweb.peer.approve import approve_callback
 from daisyweb.peer.datafeed import DataFeed
-from daisyweb.peer.exchange import RecordingEncoder, Trainer, machine_steps, make_trainer, mode
+from daisyweb.peer.exchange import (
+    RecordingEncoder,
+    Trainer,
+    machine_steps,
+    make_trainer,
+    mode,
+    unit,
+)
 from daisyweb.peer.faults import Faults, Replica
 from daisyweb.peer.items import (
     GradientFailed,
@@ -107,6 +114,10 @@ class Driver:
         self.corpus: asyncio.Future[object]  # the built-in corpus being encoded (main)
         self.rows = 0  # sequences per inner step of our last contribution (set by _compute)
         self.result: tuple[int, str] | None = None
+        # Set when the machine is cut off from the group: the peer rejoins as a joiner.
+        self.cut_off: sync.CutOff | None = None
+        self.generation = 0  # the machine's; a rejoin's new machine ignores older work
+        self.feed_tasks: list[asyncio.Task[None]] = []
 
     # ------------------------------------------------------------------ setup
     def _make_mesh(self) -> Mesh:
@@ -206,7 +217,7 @@ class Driver:
             await self.queue.put(Tick())
 
     # ------------------------------------------------------------------ start
-    def _machine(self, leader: str) -> sync.StepMachine:
+    def _machine(self, leader: str, term: int = 0) -> sync.StepMachine:
         assert self.state is not None and self.replica is not None
         self.machine = sync.StepMachine(
             self.mesh.self_id, self.replica, machine_steps(self.state.run), probe_hash,
@@ -215,7 +226,7 @@ class Driver:
             # Capacity-weighted batches are the leader's choice; a follower learns the
             # mode from the rosters it is sent.
             capacity=self.opts.start and self.opts.capacity, batch=self.state.run.batch,
-            archive=SpillArchive())
+            archive=SpillArchive(), term=term)
         self.faults.machine = self.machine
         return self.machine
 
@@ -248,14 +259,15 @@ class Driver:
     async def _start_follower(self) -> None:
         start = await handshake.await_snapshot(
             self.queue, self._peer_connected, self._peer_gone, self.version, self.tokinfo,
-            self.opts.join_timeout, self.mesh.self_id, lambda: self.mesh.members)
+            self.opts.join_timeout, self.mesh.self_id, lambda: self.mesh.members,
+            rejoining=self.cut_off is not None)
         self.state = state = start.state
         try:
             self._make_replica(state)
         except ValueError as exc:
             raise PeerError(1, f"refused the snapshot from {start.leader}: {exc}") from None
         await self._make_feed()
-        machine = self._machine(start.leader)
+        machine = self._machine(start.leader, start.term)
         log(f"following {start.leader}: {state.size:,} parameters, from step {state.step} "
             f"of {start.run.steps} (snapshot {start.weight_hash[:16]} verified)")
         self.report.begin(state)
@@ -274,8 +286,11 @@ class Driver:
     async def _make_feed(self) -> None:
         assert self.state is not None
         await self.corpus  # DataFeed's builtin_tokens() is then the cached array
+        for t in self.feed_tasks:  # a rejoin's new feed replaces the old one
+            t.cancel()
         self.feed = DataFeed(self.tok, self.state.run, self.mesh.self_id, self.opts.server)
-        self.tasks.extend(self.feed.start())
+        self.feed_tasks = self.feed.start()
+        self.tasks.extend(self.feed_tasks)
 
     def _shared_hash(self) -> str:
         if self.replica is not None:
@@ -288,13 +303,17 @@ class Driver:
         # The Hello goes out first on a new link, ahead of anything held for it; then
         # whom we follow, which a joiner needs to tell the real leader from a pretender.
         self.outboxes.up(peer, wire.Hello(self.mesh.self_id, self.version))
-        self._send((peer,), wire.Following(self._following()))
+        self._send((peer,), self._following())
 
-    def _following(self) -> str:
-        """The leader this peer follows: itself with --start, "" until a follower starts."""
-        if self.machine is not None:
-            return self.machine.leader
-        return self.mesh.self_id if self.opts.start else ""
+    def _following(self) -> wire.Following:
+        """The leader this peer follows and its term: itself with --start, nobody ("")
+        until a follower starts or while it rejoins."""
+        m = self.machine
+        if m is not None and not m.done:
+            return wire.Following(m.leader, m.term)
+        if m is None and self.opts.start and self.cut_off is None:
+            return wire.Following(self.mesh.self_id, 0)
+        return wire.Following("", 0)
 
     def _peer_gone(self, peer: str) -> None:
         self.hello_from.discard(peer)  # a new link starts with a new Hello
@@ -306,7 +325,24 @@ class Driver:
     # ------------------------------------------------------------------ loop
     async def _loop(self) -> None:
         while self.result is None:
+            if self.cut_off is not None and self.machine is not None:
+                await self._rejoin(self.cut_off)
+                continue
             await self._handle(await self.queue.get())
+
+    async def _rejoin(self, cut: sync.CutOff) -> None:
+        """Cut off from the group: keep the last committed state on disk, drop this
+        machine and its work, and join again like a new peer (a snapshot from the leader
+        the group names). A paused or partitioned peer never leads a second group."""
+        assert self.state is not None
+        what = unit(self.state.run)
+        log(f"cut off at {what} {cut.step}: {cut.reason}; rejoining the group as a joiner")
+        self.report.save_now(self.state)
+        self.machine = None
+        self.generation += 1  # a contribution still computing is for the old machine
+        self.head = None
+        await self._start_follower()
+        self.cut_off = None
 
     async def _handle(self, item: Item) -> None:
         m = self.machine
@@ -314,14 +350,16 @@ class Driver:
             return
         now = time.monotonic()
         if isinstance(item, Interrupt):
-            log(f"interrupted at step {m.boundary}")
+            log(f"interrupted at {self._unit()} {m.boundary}")
             self.result = (130, "interrupted")
         elif isinstance(item, Tick):
             await self._do(m.tick(now))
         elif isinstance(item, GradientReady):
+            if item.generation != self.generation:
+                return  # computed for the machine before a rejoin
             await self._gradient_ready(m, item, now)
         elif isinstance(item, GradientFailed):
-            if m.done or item.step != m.boundary:
+            if m.done or item.step != m.boundary or item.generation != self.generation:
                 return  # stale: the step was rolled forward while this one computed
             exc = item.error
             reason = (f"gradient computation failed on {m.self_id} at step {item.step}: "
@@ -392,8 +430,10 @@ class Driver:
         ev = item.event
         if isinstance(ev, Received):
             msg = ev.message
-            if isinstance(msg, (wire.Config, wire.Snapshot, wire.Heartbeat, wire.Following)):
+            if isinstance(msg, (wire.Config, wire.Snapshot, wire.Heartbeat)):
                 return  # start handshake messages after the start: nothing to do
+            if isinstance(msg, wire.Following) and not msg.leader:
+                self._send((ev.peer,), self._following())  # a rejoining peer asks who leads
             await self._do(m.message(ev.peer, msg, now))
             if isinstance(msg, wire.Hello) and msg.peer_id == ev.peer:
                 self.hello_from.add(ev.peer)
@@ -406,16 +446,7 @@ class Driver:
         elif isinstance(ev, PeerDown):
             self._peer_gone(ev.peer)
             log(f"peer {ev.peer} down ({ev.reason})")
-            was_leader, leader_before = m.is_leader, m.leader
             await self._do(m.peer_down(ev.peer, now))
-            if m.leader != leader_before:
-                self._send(None, wire.Following(m.leader))  # joiners ask who leads now
-            if m.is_leader and not was_leader:
-                log(f"leading now from step {m.boundary} (the leader was lost)")
-                # Peers still waiting for a snapshot were announced to the old leader.
-                for p in list(self.outboxes.connected):
-                    if p in self.hello_from:
-                        await self._do(m.peer_up(p, now))
         elif isinstance(ev, BadMessage):
             log(f"refused a message from {ev.peer}: {ev.error}")
 
@@ -437,11 +468,30 @@ class Driver:
             elif isinstance(a, sync.Finish):
                 self.result = (0, "done")
             elif isinstance(a, sync.Stopped):
-                log(f"halted at step {a.step}: {a.reason}")
+                log(f"halted at {self._unit()} {a.step}: {a.reason}")
                 self.result = (1, a.reason)
+            elif isinstance(a, sync.CutOff):
+                self.cut_off = a
+            elif isinstance(a, sync.Leading):
+                await self._now_leading(a)
         self.tasks = [t for t in self.tasks if not t.done()]
 
+    def _unit(self) -> str:
+        return unit(self.state.run) if self.state is not None else "step"
+
+    async def _now_leading(self, a: sync.Leading) -> None:
+        m = self.machine
+        assert m is not None
+        log(f"leading now from {self._unit()} {a.step} (the leader was lost; term {a.term}, "
+            f"declared by {a.votes} of the last roster's {a.electorate} members)")
+        # Peers still waiting for a snapshot were announced to the old leader.
+        now = time.monotonic()
+        for p in list(self.outboxes.connected):
+            if p in self.hello_from:
+                await self._do(m.peer_up(p, now))
+
     async def _compute(self, step: int, sequences: int = 0) -> None:
+        generation = self.generation
         if self.faults.step_delay:
             await asyncio.sleep(self.faults.step_delay)
         loop = asyncio.get_running_loop()
@@ -459,13 +509,13 @@ class Driver:
         except Exception as exc:
             # Any failure here (a kernel refusing a NaN activation, a bug) must halt the
             # group: a peer that silently never sends its gradient stalls everyone.
-            await self.queue.put(GradientFailed(step, exc))
+            await self.queue.put(GradientFailed(step, exc, generation))
             return
         secs = time.perf_counter() - t0 + self.report.head_secs(step if head else None)
         secs += await self.faults.slow_down(secs)
         # Sequences per second of this contribution: the leader's next shares use it.
         await self.queue.put(GradientReady(step, contribution, secs,
-                                           n * self.trainer.steps_in(step)))
+                                           n * self.trainer.steps_in(step), generation))
 
     def _batch_fn(self, rows: int) -> BatchFn:
         """The batches of a share of ``rows`` sequences per inner step."""
@@ -474,7 +524,7 @@ class Driver:
     def _send_snapshot(self, peer: str, step: int) -> None:
         assert self.state is not None
         if self.trainer.step != step:  # cannot happen: the machine asks at its boundary
-            log(f"not sending a snapshot of step {step} from step {self.trainer.step}")
+            log(f"not sending a snapshot of {self._unit()} {step} from {self.trainer.step}")
             return
         # Not copied: the arrays are written out right here, on the event loop, before
         # anything can replace or step them; the joiner downloads them from that file.
@@ -483,7 +533,7 @@ class Driver:
         payload, announced = self.faults.snapshot(payload, self.state.weight_hash())
         self._send((peer,), self.state.run.to_wire())
         self._send((peer,), wire.Snapshot(step, announced, payload))
-        log(f"sent snapshot of step {step} ({len(payload):,} bytes) to {peer}")
+        log(f"sent snapshot of {self._unit()} {step} ({len(payload):,} bytes) to {peer}")
 
     async def _finish(self) -> int:
         assert self.result is not None and self.state is not None

@@ -11,7 +11,7 @@ from daisyweb.training.config import RunConfig
 from daisyweb.training.rounds import LockstepTrainer, RoundTrainer, round_count
 from daisyweb.training.state import TrainState
 
-__all__ = ["RecordingEncoder", "Trainer", "machine_steps", "make_trainer", "mode"]
+__all__ = ["RecordingEncoder", "Trainer", "machine_steps", "make_trainer", "mode", "unit"]
 
 Trainer = LockstepTrainer | RoundTrainer
 
@@ -56,6 +56,11 @@ def mode(run: RunConfig) -> str:
     if run.sync_every == 1:
         return f"lockstep {run.codec}"
     return f"rounds H={run.sync_every} {run.codec}"
+
+
+def unit(run: RunConfig) -> str:
+    """What one step of the step machine is, in words: ``step`` or ``round``."""
+    return "step" if run.sync_every == 1 else "round"
 
 
 def machine_steps(run: RunConfig) -> int:

@@ -35,7 +35,7 @@ from daisyweb.checkpoints.checkpoint import (
 from daisyweb.data import Tokenizer, default_tokenizer
 from daisyweb.net import PeerDown, PeerUp, Received
 from daisyweb.peer.exchange import make_trainer
-from daisyweb.peer.items import Item, MeshItem
+from daisyweb.peer.items import Interrupt, Item, MeshItem
 from daisyweb.peer.options import PeerError, PeerOptions
 from daisyweb.protocol import wire
 from daisyweb.training.config import RunConfig, run_config
@@ -154,23 +154,24 @@ async def wait_for_peers(queue: asyncio.Queue[Item], on_up: Callable[[str], None
 
 def agreed_leader(claims: Mapping[str, str], members: Sequence[str],
                   self_id: str) -> str | None:
-    """The leader this joiner follows: the one a strict majority of the members that
-    follow anyone name, provided it names itself; None while that is not (yet) so.
+    """The leader this joiner follows: the one a strict majority of the other members
+    name, provided it names itself; None while that is not (yet) so.
 
-    ``claims`` is each peer's last ``Following`` (``""``: not started); ``members`` is
-    the signaling server's member list. Every other member must have spoken, so a peer
-    that reaches us first cannot pass itself off as the leader: with the real leader
-    and one follower naming it, a third peer naming itself is outvoted, and a tie
-    (one peer against the leader alone) is never resolved in anyone's favour.
+    ``claims`` is each peer's last ``Following`` (``""``: not started, or rejoining);
+    ``members`` is the signaling server's member list. The majority is of every other
+    member but those that said they follow nobody, spoken or not: a peer that reaches
+    us first cannot pass itself off as the leader (with the real leader and one
+    follower naming it, a third peer naming itself is outvoted, and a tie -- one peer
+    against the leader alone -- is never resolved in anyone's favour), and a member
+    that cannot speak (paused, or far behind) does not hold a joiner back when the
+    others are a majority.
     """
-    voters = [m for m in members if m != self_id]
-    if not voters or any(v not in claims for v in voters):
-        return None
-    named = Counter(claims[v] for v in voters if claims[v])
+    voters = [m for m in members if m != self_id and claims.get(m) != ""]
+    named = Counter(claims[v] for v in voters if claims.get(v))
     if not named:
         return None  # nobody has started yet
     top, votes = named.most_common(1)[0]
-    if 2 * votes <= sum(named.values()) or claims.get(top) != top or top not in voters:
+    if 2 * votes <= len(voters) or claims.get(top) != top or top not in voters:
         return None
     return top
 
@@ -192,31 +193,42 @@ class FollowerStart:
     state: TrainState
     weight_hash: str  # the snapshot's announced (and verified) weight hash
     held: deque[Item]  # everything else that arrived meanwhile, in order
+    term: int = 0  # the term the leader declared itself for
 
 
 async def await_snapshot(queue: asyncio.Queue[Item], on_up: Callable[[str], None],
                          on_down: Callable[[str], None], version: int,
                          tokinfo: TokenizerInfo, join_timeout: float,
                          self_id: str = "",
-                         members: Callable[[], Sequence[str]] = tuple) -> FollowerStart:
+                         members: Callable[[], Sequence[str]] = tuple,
+                         rejoining: bool = False) -> FollowerStart:
     """Wait for Config + Snapshot from the group's leader (:func:`agreed_leader`);
-    buffer everything else meanwhile."""
+    buffer everything else meanwhile. ``rejoining``: this peer was cut off from its
+    group and joins it again (only the lines that say what went wrong differ)."""
     deadline = time.monotonic() + join_timeout
     held: deque[Item] = deque(maxlen=BUFFER_BEFORE_START)
     configs: dict[str, wire.Config] = {}
     snapshots: dict[str, wire.Snapshot] = {}  # the last one per sender, checked if chosen
     versions: dict[str, int] = {}  # peers whose Hello announced another version
     claims: dict[str, str] = {}  # peer -> the leader it follows ("" not started)
+    terms: dict[str, int] = {}  # peer -> the term of the leader it follows
     while True:
         group = tuple(members())  # the signaling server's members, as of now
         leader = agreed_leader(claims, group, self_id)
         if leader is not None and leader in snapshots and leader in configs:
-            return _checked_start(leader, configs[leader], snapshots[leader], tokinfo, held)
+            start = _checked_start(leader, configs[leader], snapshots[leader], tokinfo, held)
+            start.term = terms.get(leader, 0)
+            return start
         left = deadline - time.monotonic()
         if left <= 0:
+            cut = "cut off from its group, this peer could not rejoin: " if rejoining else ""
             if snapshots:
-                raise PeerError(3, "no snapshot from a leader the group agrees on within "
-                                   f"{join_timeout:g} s: "
+                raise PeerError(3, f"{cut}no snapshot from a leader the group agrees on "
+                                   f"within {join_timeout:g} s: "
+                                   + _disagreement(claims, group, self_id))
+            if rejoining:
+                raise PeerError(3, f"{cut}no leader the group agrees on sent a snapshot "
+                                   f"within {join_timeout:g} s: "
                                    + _disagreement(claims, group, self_id))
             raise PeerError(3, f"no leader sent a run within {join_timeout:g} s "
                                "(start one peer with --start)")
@@ -224,6 +236,8 @@ async def await_snapshot(queue: asyncio.Queue[Item], on_up: Callable[[str], None
             item = await asyncio.wait_for(queue.get(), left)
         except TimeoutError:
             continue
+        if isinstance(item, Interrupt):
+            raise PeerError(130, "interrupted while waiting for a snapshot")
         if not isinstance(item, MeshItem):
             continue
         ev = item.event
@@ -252,6 +266,7 @@ async def await_snapshot(queue: asyncio.Queue[Item], on_up: Callable[[str], None
         if isinstance(msg, wire.Following):
             if ev.peer not in versions:
                 claims[ev.peer] = msg.leader
+                terms[ev.peer] = msg.term
             continue
         if isinstance(msg, wire.Config):
             configs[ev.peer] = msg

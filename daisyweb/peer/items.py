@@ -20,6 +20,7 @@ class GradientReady:
     contribution: Contribution
     secs: float
     sequences: int = 0  # sequences it computed over, all its inner steps together
+    generation: int = 0  # the driver's machine it was computed for (a rejoin starts anew)
 
 
 @dataclass(frozen=True)
@@ -28,6 +29,7 @@ class GradientFailed:
 
     step: int
     error: Exception
+    generation: int = 0
 
 
 @dataclass(frozen=True)

@@ -239,6 +239,17 @@ class Report:
         self.last_eval = done
         return loss, time.perf_counter() - t0
 
+    def save_now(self, state: TrainState) -> None:
+        """Save the replica (a committed boundary) to --save, if asked for, saying so."""
+        if not self.opts.save:
+            return
+        try:
+            save_checkpoint(self.opts.save, state.checkpoint(self.tokinfo, copy=False))
+        except CheckpointError as exc:
+            log(f"could not save the checkpoint of step {state.step}: {exc}")
+            return
+        log(f"checkpoint of step {state.step} saved to {self.opts.save}")
+
     async def finish(self, result: tuple[int, str], state: TrainState, shared_hash: str,
                      status: StatusSink) -> int:
         """The end record, the final save and the last status; returns the exit code."""

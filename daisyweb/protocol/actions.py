@@ -24,6 +24,8 @@ __all__ = [
     "Excluded",
     "Finish",
     "Stopped",
+    "CutOff",
+    "Leading",
 ]
 
 
@@ -115,4 +117,25 @@ class Stopped:
     reason: str
 
 
-Action = Send | Compute | Commit | SendSnapshot | Excluded | Finish | Stopped
+@dataclass(frozen=True)
+class CutOff:
+    """This peer is cut off from the group's majority (or the group went on without it)
+    at ``step``: it stops training and rejoins as a joiner, taking the group's state.
+    The replica is a valid (last committed) state."""
+
+    step: int
+    reason: str
+
+
+@dataclass(frozen=True)
+class Leading:
+    """This peer now leads, from ``step``, in ``term``: ``votes`` of the ``electorate``
+    members of the last roster declared it."""
+
+    step: int
+    term: int
+    votes: int
+    electorate: int
+
+
+Action = Send | Compute | Commit | SendSnapshot | Excluded | Finish | Stopped | CutOff | Leading

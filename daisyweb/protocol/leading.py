@@ -38,6 +38,7 @@ from typing import TYPE_CHECKING
 from daisyweb.protocol import wire
 from daisyweb.protocol.actions import Action, Excluded, Send, SendSnapshot
 from daisyweb.protocol.capacity import capacity_shares
+from daisyweb.protocol.election import Leadership
 from daisyweb.protocol.judge import HaltRun, judge
 from daisyweb.protocol.ledger import InFlight, StepLedger
 from daisyweb.protocol.membership import Membership
@@ -52,7 +53,6 @@ class LeaderDuties:
     """Leader and repair methods of ``StepMachine`` (see the module docstring)."""
 
     self_id: str
-    leader: str
     total_steps: int
     repair_after: float
     members: Membership
@@ -62,6 +62,9 @@ class LeaderDuties:
     if TYPE_CHECKING:  # provided by StepMachine
         boundary: int
         is_leader: bool
+        leader: str
+        term: int
+        leadership: Leadership
         _stop: Callable[[list[Action], int, str, bool], None]
         _finish: Callable[[list[Action], int], None]
         _set_roster: Callable[..., None]
@@ -79,6 +82,8 @@ class LeaderDuties:
             if last is not None and now - last < self.repair_after:
                 continue
             st.requested[p] = now
+            if self.leadership.candidate:
+                continue  # nobody to ask until a majority confirms a leader
             if self.is_leader:
                 if not self.members.alive(p):
                     self._amend(out, self.boundary, p, now)
@@ -113,7 +118,8 @@ class LeaderDuties:
             return
         shares = _kept_shares(st, members)
         out.append(Excluded(dead, f"{dead} died before its gradient of step {step} arrived"))
-        out.append(Send(self.members.others(members), wire.Roster(step, members, shares)))
+        roster = wire.Roster(step, members, shares, self.term)
+        out.append(Send(self.members.others(members), roster))
         self._set_roster(out, step, members, now, shares)
 
     def _lead(self, out: list[Action], b: int, now: float) -> None:
@@ -131,7 +137,8 @@ class LeaderDuties:
             self._published.add(b)
             members = tuple(p for p in st.roster if self.members.alive(p) or p in st.grads)
             shares = _kept_shares(st, members)
-            out.append(Send(self.members.others(members), wire.Roster(b, members, shares)))
+            roster = wire.Roster(b, members, shares, self.term)
+            out.append(Send(self.members.others(members), roster))
             self._set_roster(out, b, members, now, shares)
             self._lead(out, b, now)
             return
@@ -159,7 +166,7 @@ class LeaderDuties:
             previous = last if self._ledger.committed.get(b - 1) == members else ()
             shares = capacity_shares(members, self._hashes.speeds.get(b, {}), self.batch,
                                      previous)
-        out.append(Send(self.members.others(members), wire.Roster(b, members, shares)))
+        out.append(Send(self.members.others(members), wire.Roster(b, members, shares, self.term)))
         self._set_roster(out, b, members, now, shares)
 
     def _judge(

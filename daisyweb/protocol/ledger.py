@@ -53,8 +53,8 @@ class StepLedger:
         self.steps: dict[int, InFlight] = {}
         self.committed: dict[int, tuple[str, ...]] = {}  # step -> roster used
         self.committed_shares: dict[int, tuple[int, ...]] = {}  # step -> its shares
-        # (from, step) -> (members, shares)
-        self.rosters_seen: dict[tuple[str, int], tuple[tuple[str, ...], tuple[int, ...]]] = {}
+        # (from, step) -> (members, shares, term)
+        self.rosters_seen: dict[tuple[str, int], tuple[tuple[str, ...], tuple[int, ...], int]] = {}
 
     def get(self, step: int) -> InFlight | None:
         return self.steps.get(step)

@@ -55,8 +55,10 @@ from daisyweb.protocol.actions import (
     Action,
     Commit,
     Compute,
+    CutOff,
     Excluded,
     Finish,
+    Leading,
     Replica,
     Send,
     SendSnapshot,
@@ -64,6 +66,7 @@ from daisyweb.protocol.actions import (
 )
 from daisyweb.protocol.averaging import GradientError, average_parts_in_roster_order
 from daisyweb.protocol.codec import F32, Codec, check_payload, decode_parts
+from daisyweb.protocol.election import Leadership, reaches_majority
 from daisyweb.protocol.hashes import HashBook, HashDuties
 from daisyweb.protocol.leading import LeaderDuties
 from daisyweb.protocol.ledger import Archive, StepLedger
@@ -79,6 +82,8 @@ __all__ = [
     "Excluded",
     "Finish",
     "Stopped",
+    "CutOff",
+    "Leading",
     "Phase",
     "StepMachine",
     "successor",
@@ -96,6 +101,7 @@ class Phase(Enum):
     COLLECTING = "collecting"  # own gradient in; the roster's others still missing
     FINISHED = "finished"  # the last step committed with every member's hashes agreeing
     HALTED = "halted"  # stopped; the replica is a valid (last committed) state
+    CUT_OFF = "cut off"  # cut off from the majority: the peer rejoins as a joiner
 
 
 class StepMachine(LeaderDuties, HashDuties):
@@ -120,13 +126,20 @@ class StepMachine(LeaderDuties, HashDuties):
         capacity: bool = False,
         batch: int = 1,
         archive: Archive | None = None,
+        term: int = 0,
+        election_timeout: float = 10.0,
     ) -> None:
         self.self_id = self_id
         self.version = version  # what this peer speaks (a test hook may change it)
         self.replica = replica
         self.total_steps = total_steps
         self.probe = probe
-        self.leader = leader
+        # Who leads, in which term, confirmed by whom (``election``). The leader a peer
+        # starts with is confirmed: the run's starter, or the one a joiner's majority named.
+        self.leadership = Leadership(self_id, leader, term)
+        # A successor not confirmed by a majority (or a follower's new leader that names
+        # no roster) within this many seconds: this peer is cut off and rejoins.
+        self.election_timeout = election_timeout
         self.repair_after = repair_after
         self.join_timeout = join_timeout
         self.history = history
@@ -148,11 +161,26 @@ class StepMachine(LeaderDuties, HashDuties):
         self._had_roster = False  # a follower knows the group's order only from a roster
         self._backup: tuple[int, Any] | None = None  # (boundary, replica.backup())
         self._published: set[int] = set()  # boundaries whose roster the leader issued
+        self._unlinked: set[str] = set()  # peers whose links are down (peer_down, peer_up)
 
     # ------------------------------------------------------------------ properties
     @property
+    def leader(self) -> str:
+        return self.leadership.leader
+
+    @property
+    def term(self) -> int:
+        return self.leadership.term
+
+    @property
     def is_leader(self) -> bool:
-        return self.leader == self.self_id
+        """This peer leads, confirmed by a majority (or it started the run)."""
+        return self.leadership.leading
+
+    def electorate(self) -> tuple[str, ...]:
+        """The roster that produced our boundary (the last committed one), else the last
+        roster we knew: leadership and reachability need a strict majority of it."""
+        return self._ledger.committed.get(self.boundary - 1) or self._last_roster
 
     @property
     def boundary(self) -> int:
@@ -214,14 +242,16 @@ class StepMachine(LeaderDuties, HashDuties):
             self._on_hello(out, peer, msg)
         elif isinstance(msg, wire.StepHashes):
             self._on_hashes(out, peer, msg)
+        elif isinstance(msg, wire.Following):
+            self._on_following(out, peer, msg, now)
         elif isinstance(msg, wire.Roster):
             # Kept only from participants (a possible next leader) and only near our
             # boundary: a flood of future rosters must not grow the state.
             b = self.boundary
             if peer in self.members.participants and b - 1 <= msg.step <= b + ROSTER_WINDOW:
-                self._ledger.rosters_seen[(peer, msg.step)] = (msg.members, msg.shares)
-            if peer == self.leader and not self.is_leader:
-                self._on_roster(out, msg.step, msg.members, now, msg.shares)
+                self._ledger.rosters_seen[(peer, msg.step)] = (msg.members, msg.shares,
+                                                               msg.term)
+            self._roster_from(out, peer, msg, now)
         elif isinstance(msg, wire.Gradient):
             self._on_gradient(out, peer, msg)
         elif isinstance(msg, wire.RepairRequest):
@@ -248,32 +278,19 @@ class StepMachine(LeaderDuties, HashDuties):
         if self.done or peer in self.members.down or peer == self.self_id:
             return out
         self.members.went_down(peer)
-        if peer == self.leader and not self._had_roster:
-            # No roster yet, so no agreed order to pick a successor from: every
-            # follower would pick itself (split brain). Stop instead; nothing is lost.
-            self._stop(out, self.boundary, f"the leader {peer} left before the first roster",
-                       broadcast=False)
-            return out
-        if peer == self.leader:
-            roster = self.roster(self.boundary) or self._last_roster
-            new = successor(roster, peer, self.members.alive)
-            if new is None:
-                new = next(iter(self.members.live_participants()), self.self_id)
-            self.leader = new
-            if self.is_leader:
-                # Re-issue what the old leader may not have finished issuing.
-                self._published = {b for b in self._published if b < self.boundary}
-            else:
-                seen = self._ledger.rosters_seen.get((new, self.boundary))
-                if seen is not None:
-                    self._on_roster(out, self.boundary, seen[0], now, seen[1])
+        self._unlinked.add(peer)
+        self._lost(out, peer, now)
         self._progress(out, now)
         return out
 
     def peer_up(self, peer: str, now: float = 0.0) -> list[Action]:
-        """Leader: an admitted peer is connected and waits for a snapshot."""
+        """A peer is connected (again). The leader offers an admitted one a snapshot."""
         out: list[Action] = []
-        if self.done or not self.is_leader or peer == self.self_id:
+        if self.done or peer == self.self_id:
+            return out
+        self._unlinked.discard(peer)  # reachable again (the majority count)
+        if not self.is_leader:
+            self.members.down.discard(peer)
             return out
         if peer in self.members.participants or peer in self.members.excluded:
             return out
@@ -282,9 +299,15 @@ class StepMachine(LeaderDuties, HashDuties):
         return out
 
     def tick(self, now: float) -> list[Action]:
-        """Timers: repair requests and join timeouts."""
+        """Timers: repair requests, join timeouts, a leader not confirmed in time."""
         out: list[Action] = []
         if self.done:
+            return out
+        lead = self.leadership
+        if not lead.confirmed and now - lead.since >= self.election_timeout:
+            who = "this peer" if lead.leader == self.self_id else lead.leader
+            self._cut_off(out, f"no majority of the last roster confirmed {who} as leader "
+                               f"of term {lead.term} within {self.election_timeout:g} s")
             return out
         st = self._ledger.get(self.boundary)
         if st is not None and st.roster is not None and st.own_sent_at is not None:
@@ -308,6 +331,118 @@ class StepMachine(LeaderDuties, HashDuties):
     def _finish(self, out: list[Action], b: int) -> None:
         self._end = Phase.FINISHED
         out.append(Finish(b))
+
+    def _cut_off(self, out: list[Action], reason: str) -> None:
+        """Stop training here and rejoin as a joiner (the replica stays a valid state)."""
+        if self.done:
+            return
+        self._end = Phase.CUT_OFF
+        self.leadership.leader, self.leadership.confirmed = "", False  # follows nobody
+        out.append(Send(None, wire.Following("", 0)))  # the group sees us leave
+        out.append(CutOff(self.boundary, reason))
+
+    # ------------------------------------------------------------------ leadership
+    def _follow(self, out: list[Action], leader: str, term: int, now: float) -> None:
+        """Follow ``leader`` in ``term`` and declare it to everyone."""
+        out.append(Send(None, self.leadership.follow(leader, term, now)))
+        if leader == self.self_id:
+            self._check_elected(out, now)
+            return
+        seen = self._ledger.rosters_seen.get((leader, self.boundary))
+        if seen is not None and seen[2] == term:
+            # The new leader's roster came before we saw the old one go.
+            self.leadership.confirmed = True
+            self._on_roster(out, self.boundary, seen[0], now, seen[1])
+
+    def _lost(self, out: list[Action], peer: str, now: float) -> None:
+        """``peer`` left (its links are down, or it rejoins): if it led, declare the
+        successor for the next term."""
+        if peer != self.leader:
+            return
+        if not self._had_roster:
+            # No roster yet, so no agreed order to pick a successor from: every
+            # follower would pick itself (split brain). Stop instead; nothing is lost.
+            self._stop(out, self.boundary, f"the leader {peer} left before the first roster",
+                       broadcast=False)
+            return
+        roster = self.roster(self.boundary) or self.electorate()
+        new = successor(roster, peer, self.members.alive)
+        if new is None:
+            new = next(iter(self.members.live_participants()), self.self_id)
+        self._follow(out, new, self.term + 1, now)
+
+    def _on_following(self, out: list[Action], peer: str, msg: wire.Following,
+                      now: float) -> None:
+        if not msg.leader:
+            # The peer follows nobody: it rejoins (cut off) and is a joiner from now on.
+            self.leadership.record(peer, "", 0)
+            if peer in self.members.participants or peer == self.leader:
+                self.members.went_down(peer)
+                self._lost(out, peer, now)
+                if self.is_leader:
+                    st = self._ledger.get(self.boundary)
+                    if st is not None and st.roster is not None and peer not in st.grads:
+                        self._amend(out, self.boundary, peer, now)
+                    if peer not in self.members.excluded:
+                        self.members.came_up(peer, now)  # a joiner from now on
+            return
+        self.leadership.record(peer, msg.leader, msg.term)
+        self._check_elected(out, now)
+
+    def _check_elected(self, out: list[Action], now: float) -> None:
+        """Act on a strict majority of the electorate declaring one leader for a term."""
+        if self.done:
+            return
+        electorate = self.electorate()
+        choice = self.leadership.elected(electorate)
+        if choice is None:
+            return
+        leader, term = choice
+        lead = self.leadership
+        if (leader, term) == (lead.leader, lead.term):
+            if lead.candidate:
+                lead.confirmed = True
+                # Re-issue what the old leader may not have finished issuing.
+                self._published = {b for b in self._published if b < self.boundary}
+                out.append(Leading(self.boundary, term, lead.votes(leader, term, electorate),
+                                   len(electorate)))
+            lead.confirmed = True  # a follower's new leader too: a majority stands behind it
+            return
+        if term == lead.term and lead.confirmed:
+            return  # we follow this term's confirmed leader; a roster would be the evidence
+        if lead.leading:
+            self._cut_off(out, f"{leader} leads term {term} now (a majority declared it)")
+            return
+        self._follow(out, leader, term, now)
+
+    def _roster_from(self, out: list[Action], peer: str, msg: wire.Roster,
+                     now: float) -> None:
+        """A roster from ``peer``: taken from our leader in its term; a newer term's leader
+        is followed; an older term's sender is told; two leaders of one term halt."""
+        if peer == self.self_id:
+            return
+        lead = self.leadership
+        if msg.term < lead.term:
+            out.append(Send((peer,), wire.Following(lead.leader, lead.term)))
+            return
+        if msg.term == lead.term and peer == lead.leader:
+            if not lead.leading:
+                lead.confirmed = True
+                self._on_roster(out, msg.step, msg.members, now, msg.shares)
+            return
+        if msg.term == lead.term and lead.confirmed:
+            other = self.self_id if lead.leading else lead.leader
+            self._stop(out, self.boundary, f"two leaders of term {msg.term}: {peer} and "
+                                           f"{other} both named rosters", broadcast=True)
+            return
+        if lead.leading:
+            self._cut_off(out, f"{peer} leads term {msg.term} now")
+            return
+        # A leader a majority confirmed in a term we have not seen (or beat our own
+        # candidate to it): follow it.
+        self._follow(out, peer, msg.term, now)
+        lead.confirmed = True
+        self._on_roster(out, msg.step, msg.members, now, msg.shares)
 
     def _on_hello(self, out: list[Action], peer: str, msg: wire.Hello) -> None:
         if msg.peer_id != peer or msg.version == self.version:
@@ -340,10 +475,15 @@ class StepMachine(LeaderDuties, HashDuties):
                 committed != members or self._ledger.committed_shares.get(step, ()) != shares):
             self._rollback(out, step, members, now, shares)
             return
+        if step > b:
+            # The leader names only a step whose hashes every member published: the
+            # group went on without us (we were dropped while we could not answer).
+            self._cut_off(out, f"the group is at step {step}, this peer at {b}")
+            return
         if step != b:
             return
         if self.self_id not in members:
-            self._stop(out, b, f"{self.self_id} is not in the roster of step {b}", False)
+            self._cut_off(out, f"the group went on without {self.self_id} at step {b}")
             return
         self._set_roster(out, step, members, now, shares)
 
@@ -465,8 +605,18 @@ class StepMachine(LeaderDuties, HashDuties):
             b = self.boundary
             if self._try_commit(out, b):
                 continue
+            if self._had_roster and not reaches_majority(self.electorate(), self.self_id,
+                                                         self._unlinked):
+                electorate = self.electorate()
+                reach = sum(1 for p in electorate
+                            if p == self.self_id or p not in self._unlinked)
+                self._cut_off(out, f"cut off from the group: {reach} of the last roster's "
+                                   f"{len(electorate)} members reachable, no majority")
+                return
             if self.is_leader:
                 self._lead(out, b, now)
+            elif self.leadership.candidate:
+                pass  # leads once a majority declared it (_check_elected)
             elif b >= self.total_steps:
                 self._maybe_finish(out, b)
             return

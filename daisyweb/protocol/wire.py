@@ -50,8 +50,9 @@ __all__ = [
 ]
 
 # 2: Config carries sync_every, codec, outer_lr; 3: Following; 4: Config carries overlap;
-# 5: Heartbeat.echo, Roster.shares and StepHashes.speed (capacity-weighted batches)
-PROTOCOL_VERSION = 5
+# 5: Heartbeat.echo, Roster.shares and StepHashes.speed (capacity-weighted batches);
+# 6: Following.term and Roster.term (leaders elected by a majority, one per term)
+PROTOCOL_VERSION = 6
 
 # Limits. Generous for the project's models, small enough that a hostile peer
 # cannot make us allocate without bound.
@@ -268,15 +269,19 @@ class Hello(_Msg):
 
 @dataclass(frozen=True)
 class Following(_Msg):
-    """Who the sender follows as the group's leader ("" before it has started; the leader
-    names itself). Sent after the Hello on every new link and again when the leader
-    changes, so a joiner follows the leader the group names, not whoever sends a
-    snapshot first (``daisyweb.peer.handshake.agreed_leader``)."""
+    """Who the sender follows as the group's leader, and in which term ("" before it has
+    started or while it rejoins; the leader names itself). Sent after the Hello on every
+    new link and again when the leader changes: a joiner follows the leader the group
+    names, not whoever sends a snapshot first (``daisyweb.peer.handshake.agreed_leader``),
+    and a new leader leads only once a majority of the last roster declared it for its
+    term (``daisyweb.protocol.election``). A peer declares one leader per term."""
 
     leader: str
+    term: int = 0
 
     type: ClassVar[str] = "following"
-    _checks: ClassVar[dict[str, Checker]] = {"leader": _str(MAX_ID_LEN, 0)}
+    _checks: ClassVar[dict[str, Checker]] = {"leader": _str(MAX_ID_LEN, 0),
+                                             "term": _int(0, MAX_STEP)}
 
 
 @dataclass(frozen=True)
@@ -352,15 +357,18 @@ class Snapshot(_Msg):
 class Roster(_Msg):
     """The members of step ``step`` in summation order. ``shares`` (capacity-weighted
     batches) gives each member's number of sequences, in the same order; empty: every
-    member takes the run's batch and the contributions are averaged plainly."""
+    member takes the run's batch and the contributions are averaged plainly. ``term``
+    is the sender's leadership term: a member takes rosters only from the leader it
+    follows in that term."""
 
     step: int
     members: tuple[str, ...]  # a list is accepted and stored as a tuple (frozen)
     shares: tuple[int, ...] = ()
+    term: int = 0
 
     type: ClassVar[str] = "roster"
     _checks: ClassVar[dict[str, Checker]] = {"step": _step, "members": _members,
-                                             "shares": _shares}
+                                             "shares": _shares, "term": _int(0, MAX_STEP)}
 
     def _check_cross(self) -> None:
         if self.shares and len(self.shares) != len(self.members):

@@ -56,6 +56,7 @@ SAMPLES = [
     Heartbeat(12.5),
     Halt(9, "peer c diverged"),
     Following("peer-a"),
+    Following("peer-a", 3),
     Heartbeat(12.5, 11.75),  # an answer to a beat
     Roster(6, ["a", "b"], [3, 13]),  # capacity-weighted shares
     StepHashes(6, "a", H, "cd" * 8, "00", 812.5),  # with the sender's speed
@@ -282,7 +283,17 @@ def test_step_hashes_carry_a_valid_roster_hash() -> None:
 def test_roster_shares_are_checked(shares: object, why: str) -> None:
     with pytest.raises(WireError, match=why):
         decode(_pack({"type": "roster", "step": 1, "members": ["a", "b"],
-                           "shares": shares}))
+                           "shares": shares, "term": 0}))
+
+
+@pytest.mark.parametrize("kind", ["roster", "following"])
+@pytest.mark.parametrize("term", [-1, 1 << 63, 1.0, "1", True, None])
+def test_terms_are_checked(kind: str, term: object) -> None:
+    fields = ({"step": 1, "members": ["a"], "shares": []} if kind == "roster"
+              else {"leader": "a"})
+    assert decode(_pack({"type": kind, **fields, "term": 7})).term == 7  # type: ignore[union-attr]
+    with pytest.raises(WireError, match="term"):
+        decode(_pack({"type": kind, **fields, "term": term}))
 
 
 @pytest.mark.parametrize("speed", [-1.0, float("inf"), float("nan"), 1e13, "fast", True])
