@@ -226,7 +226,7 @@ class Driver:
             # Capacity-weighted batches are the leader's choice; a follower learns the
             # mode from the rosters it is sent.
             capacity=self.opts.start and self.opts.capacity, batch=self.state.run.batch,
-            archive=SpillArchive(), term=term)
+            archive=SpillArchive(), term=term, unit=unit(self.state.run))
         self.faults.machine = self.machine
         return self.machine
 

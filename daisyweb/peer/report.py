@@ -150,6 +150,7 @@ class Report:
         share = _own_share(c, getattr(status, "self_id", None))
         pool = self._pool_fields(c, state, share * tokens, compute_s, status, share)
         record = {
+            "time": time.time(),  # wall clock of the commit: gaps across peers and faults
             "step": done, "loss": loss, "weight_hash": c.weight_hash,
             "probe_hash": c.probe_hash, "roster": list(c.roster),
             "tokens_per_s": tokens_per_s, "comm_s": comm_s, "exchange_s": exchange_s,

@@ -77,6 +77,7 @@ class HashDuties:
     _hashes: HashBook
     _ledger: StepLedger
     speed: float  # sequences per second of our last contribution (0: none yet)
+    unit: str  # step or round, in the lines we write
 
     if TYPE_CHECKING:  # provided by StepMachine
         boundary: int
@@ -124,7 +125,7 @@ class HashDuties:
             self._stop(
                 out,
                 b,
-                f"weight hash mismatch at step {b}: {peer} has {theirs[0][:16]}, "
+                f"weight hash mismatch at {self.unit} {b}: {peer} has {theirs[0][:16]}, "
                 f"{self.self_id} has {own[0][:16]}",
                 broadcast=True,
             )

@@ -42,6 +42,7 @@ def judge(
     expected: Sequence[str],
     joiners: Sequence[str],
     excluded: Container[str],
+    unit: str = "step",
 ) -> list[Ruling]:
     """Rulings at boundary ``b``: ``have`` maps peer -> (weight hash, probe hash) for the
     leader, every live participant (``expected``) and every joiner."""
@@ -54,13 +55,13 @@ def judge(
         top, n = weights.most_common(1)[0]
         if n * 2 > len(expected):
             bad = [p for p in expected if have[p][0] != top]
-            reason = f"weights diverged at step {b}: {', '.join(bad)} differ from the majority"
+            reason = f"weights diverged at {unit} {b}: {', '.join(bad)} differ from the majority"
         else:
             listing = ", ".join(f"{p}={have[p][0][:12]}" for p in expected)
-            reason = f"weights diverged at step {b} with no majority: {listing}"
+            reason = f"weights diverged at {unit} {b} with no majority: {listing}"
         return [HaltRun(reason)]
     bad_snapshot = [p for p in joiners if have[p][0] != own_w]
-    rulings += [Exclude(p, f"{p}: snapshot weight hash does not match at step {b}")
+    rulings += [Exclude(p, f"{p}: snapshot weight hash does not match at {unit} {b}")
                 for p in bad_snapshot]
     # Probes: the majority over everyone judged at this boundary wins.
     judged = [*expected, *(p for p in joiners if p not in excluded and p not in bad_snapshot)]

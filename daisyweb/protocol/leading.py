@@ -65,6 +65,7 @@ class LeaderDuties:
         leader: str
         term: int
         leadership: Leadership
+        unit: str
         _stop: Callable[[list[Action], int, str, bool], None]
         _finish: Callable[[list[Action], int], None]
         _set_roster: Callable[..., None]
@@ -117,7 +118,8 @@ class LeaderDuties:
         if not members:
             return
         shares = _kept_shares(st, members)
-        out.append(Excluded(dead, f"{dead} died before its gradient of step {step} arrived"))
+        out.append(Excluded(dead, f"{dead} left before its contribution of {self.unit} "
+                                  f"{step} arrived"))
         roster = wire.Roster(step, members, shares, self.term)
         out.append(Send(self.members.others(members), roster))
         self._set_roster(out, step, members, now, shares)
@@ -178,7 +180,8 @@ class LeaderDuties:
         joiners: list[str],
     ) -> bool:
         """Leader's sync guard at boundary ``b`` (``judge.judge``); False if the run stopped."""
-        for ruling in judge(b, self.self_id, have, expected, joiners, self.members.excluded):
+        for ruling in judge(b, self.self_id, have, expected, joiners, self.members.excluded,
+                            self.unit):
             if isinstance(ruling, HaltRun):
                 self._stop(out, b, ruling.reason, True)
                 return False

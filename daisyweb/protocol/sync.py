@@ -128,8 +128,10 @@ class StepMachine(LeaderDuties, HashDuties):
         archive: Archive | None = None,
         term: int = 0,
         election_timeout: float = 10.0,
+        unit: str = "step",
     ) -> None:
         self.self_id = self_id
+        self.unit = unit  # what one of our steps is, in the lines we write: step or round
         self.version = version  # what this peer speaks (a test hook may change it)
         self.replica = replica
         self.total_steps = total_steps
@@ -478,12 +480,12 @@ class StepMachine(LeaderDuties, HashDuties):
         if step > b:
             # The leader names only a step whose hashes every member published: the
             # group went on without us (we were dropped while we could not answer).
-            self._cut_off(out, f"the group is at step {step}, this peer at {b}")
+            self._cut_off(out, f"the group is at {self.unit} {step}, this peer at {b}")
             return
         if step != b:
             return
         if self.self_id not in members:
-            self._cut_off(out, f"the group went on without {self.self_id} at step {b}")
+            self._cut_off(out, f"the group went on without {self.self_id} at {self.unit} {b}")
             return
         self._set_roster(out, step, members, now, shares)
 
@@ -496,7 +498,7 @@ class StepMachine(LeaderDuties, HashDuties):
         if old is not None and old != members:
             # Amendment: only removal of senders is allowed; keep what we have.
             if not set(members) <= set(old):
-                self._stop(out, step, f"roster of step {step} changed to add members", True)
+                self._stop(out, step, f"roster of {self.unit} {step} changed to add members", True)
                 return
             st.grads = {p: g for p, g in st.grads.items() if p in members}
         st.roster = members
@@ -544,7 +546,7 @@ class StepMachine(LeaderDuties, HashDuties):
             # Checked on its bytes (no vector made): decoded only when averaged.
             check_payload(self.codec, payload, self.replica.size, f"gradient from {sender}")
         except GradientError as exc:
-            self._stop(out, step, f"refused at step {step}: {exc}", broadcast=True)
+            self._stop(out, step, f"refused at {self.unit} {step}: {exc}", broadcast=True)
             return False
         self._ledger.open(step).grads[sender] = payload
         return True
@@ -553,17 +555,17 @@ class StepMachine(LeaderDuties, HashDuties):
                   shares: tuple[int, ...] = ()) -> None:
         restore = getattr(self.replica, "restore", None)
         if self._backup is None or self._backup[0] != step or restore is None:
-            self._stop(out, step, f"roster of committed step {step} was amended", True)
+            self._stop(out, step, f"roster of committed {self.unit} {step} was amended", True)
             return
         st = self._ledger.get(step)
         if st is None or not set(members) <= set(st.grads):
-            self._stop(out, step, f"amended roster of step {step} cannot be rebuilt", True)
+            self._stop(out, step, f"amended roster of {self.unit} {step} cannot be rebuilt", True)
             return
         if shares and st.shares and any(
                 shares[members.index(p)] != st.shares[st.roster.index(p)]
                 for p in members if st.roster is not None and p in st.roster):
             # Contributions were computed over the shares first named: never reweighted.
-            self._stop(out, step, f"amended roster of step {step} changes shares", True)
+            self._stop(out, step, f"amended roster of {self.unit} {step} changes shares", True)
             return
         restore(self._backup[1])
         self._ledger.committed.pop(step, None)

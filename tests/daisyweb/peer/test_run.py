@@ -856,7 +856,7 @@ def test_rounds_bad_contribution_halts_with_a_valid_checkpoint(group: Group, kin
     assert lead.wait() == 1, group.logs()
     bad.wait()
     end = lead.end()
-    assert end["step"] == 2 and "refused at step 1" in end["end"]
+    assert end["step"] == 2 and "refused at round 1" in end["end"]
     c = load_checkpoint(group.tmp / "lead.pt")
     assert c.step == 2  # the last committed boundary, untouched by the refused round
 
