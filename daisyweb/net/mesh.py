@@ -19,7 +19,11 @@ This module decides who connects to whom. The lower peer id (string compare) alw
 offers, so two peers never offer to each other (no glare); when a link dies while both
 are still members, the offerer dials again with backoff and the answerer replaces its
 old connection with the newest offer. A heartbeat goes on every link every
-``heartbeat_interval``; a link not heard from within ``heartbeat_timeout`` is dropped.
+``heartbeat_interval``; a link not heard from within its timeout is dropped. The timeout
+fits what is measured (:func:`link_timeout`): ``heartbeat_timeout``, longer for a peer
+whose round trips are slow (its event loop is busy), plus however long our own event
+loop stalled lately (:class:`StallMeter`): while we were blocked (sending snapshots to
+many joiners on a starved CPU), the peers' messages waited for us, not the other way.
 
 Fault injection: :attr:`Mesh.drop_outgoing` is the one hook (tests and the peer's test
 switches set it from code, never from the wire).
@@ -31,6 +35,7 @@ import asyncio
 import itertools
 import logging
 import time
+from collections import deque
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -66,12 +71,41 @@ __all__ = [
     "JoinDenied",
     "MeshError",
     "Mesh",
+    "StallMeter",
+    "link_timeout",
 ]
 
 log = logging.getLogger("daisyweb.net.mesh")
 
 CONNECT_TIMEOUT = 15.0
 RECONNECT_BACKOFF = (0.2, 5.0)
+RTT_FACTOR = 4.0  # a link may be silent this many of its round trips...
+MAX_STRETCH = 6.0  # ...but never longer than this many base timeouts (a dead peer goes)
+
+
+def link_timeout(base: float, rtt: float | None, stall: float) -> float:
+    """How long a link may stay silent before it is dropped: ``base``, or ``RTT_FACTOR``
+    of its last round trip if that is longer (capped at ``MAX_STRETCH x base``), plus
+    ``stall``, the longest our own event loop was blocked lately."""
+    slow = min(RTT_FACTOR * rtt, MAX_STRETCH * base) if rtt is not None else 0.0
+    return max(base, slow) + stall
+
+
+class StallMeter:
+    """How late a periodic task woke up, over a sliding window: the longest recent stall
+    of the event loop it runs on."""
+
+    def __init__(self, window: float) -> None:
+        self.window = window
+        self._samples: deque[tuple[float, float]] = deque()  # (when, how late)
+
+    def record(self, now: float, late: float) -> None:
+        self._samples.append((now, max(0.0, late)))
+        while self._samples and now - self._samples[0][0] > self.window:
+            self._samples.popleft()
+
+    def recent(self) -> float:
+        return max((late for _, late in self._samples), default=0.0)
 
 # (peer, message) -> True to drop that outgoing message silently.
 DropOutgoing = Callable[[str, wire.Message], bool]
@@ -124,6 +158,7 @@ class Mesh:
         self.transport = choose(transport) if isinstance(transport, str) else transport
         self._heartbeat_interval = heartbeat_interval
         self._heartbeat_timeout = heartbeat_timeout
+        self.stalls = StallMeter(2 * heartbeat_timeout)  # our loop's lateness, measured
         self._max_message_bytes = max_message_bytes
         # Until the run is known (limit_messages), one message of the cap at a time per
         # link, and one more starting: 2 x 256 MiB, not 64 x.
@@ -366,13 +401,16 @@ class Mesh:
         return hook is not None and hook(peer, message)
 
     async def _heartbeat_loop(self) -> None:
+        due = time.monotonic()
         while not self._closed:
             now = time.monotonic()
+            self.stalls.record(now, now - due)
+            stall = self.stalls.recent()
             beat = wire.Heartbeat(t=time.time())
             data = wire.encode(beat)
             for link in list(self._links.values()):
-                if link.check_liveness(now, self._heartbeat_timeout) and not self._dropped(
-                    link.peer, beat
-                ):
+                timeout = link_timeout(self._heartbeat_timeout, link.rtt, stall)
+                if link.check_liveness(now, timeout) and not self._dropped(link.peer, beat):
                     link.send_heartbeat(data)
+            due = now + self._heartbeat_interval
             await asyncio.sleep(self._heartbeat_interval)

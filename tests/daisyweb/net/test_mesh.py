@@ -11,6 +11,7 @@ channel, the signaling client's state) it names the private attribute it uses.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import itertools
 import os
 import subprocess
@@ -35,6 +36,8 @@ from daisyweb.net.mesh import (
     PeerDown,
     PeerUp,
     Received,
+    StallMeter,
+    link_timeout,
 )
 from daisyweb.protocol import framing, wire
 from signaling import protocol
@@ -232,6 +235,33 @@ async def test_closed_peer_reported_down_quickly(srv):
     await b.close()  # idempotent
     with pytest.raises(MeshError, match="closed"):
         await b.next_event()
+
+
+async def test_a_stalled_event_loop_does_not_drop_its_links(srv):
+    """Our own loop blocked past the timeout (a snapshot sent to many joiners on a starved
+    CPU): the peers' beats waited for us, so the links stay up; a peer that is silent for
+    real still goes (the test above)."""
+    a, b = await connected_pair(srv, **FAST_HB)
+    time.sleep(FAST_HB["heartbeat_timeout"] + 0.7)  # noqa: ASYNC251 -- the stall itself
+    seen: list = []
+    with contextlib.suppress(AssertionError, asyncio.TimeoutError):  # no PeerDown: good
+        await until(a, lambda e: isinstance(e, PeerDown), timeout=1.5, seen=seen)
+    assert not [e for e in seen if isinstance(e, PeerDown)], seen
+    assert a.connected() == [b.self_id] and a.stalls.recent() > FAST_HB["heartbeat_timeout"]
+
+
+def test_link_timeout_fits_round_trips_and_our_own_stalls() -> None:
+    assert link_timeout(5.0, None, 0.0) == 5.0
+    assert link_timeout(5.0, 0.01, 0.0) == 5.0  # a fast link: the base
+    assert link_timeout(5.0, 2.0, 0.0) == 8.0  # a busy peer answers late: 4 round trips
+    assert link_timeout(5.0, 60.0, 0.0) == 30.0  # but a dead one still goes
+    assert link_timeout(5.0, None, 3.0) == 8.0  # we were blocked 3 s ourselves
+    meter = StallMeter(window=10.0)
+    meter.record(0.0, 4.0)
+    meter.record(1.0, -0.5)  # early is not late
+    assert meter.recent() == 4.0
+    meter.record(11.0, 0.1)  # the 4 s stall left the window
+    assert meter.recent() == 0.1
 
 
 async def test_heartbeat_timeout_and_liveness_from_data(srv):
