@@ -62,6 +62,7 @@ from daisyweb.peer.options import PeerError, PeerOptions, log, mesh_transport_op
 from daisyweb.peer.report import Report
 from daisyweb.peer.spill import SpillArchive, Spooler
 from daisyweb.protocol import budget, sync, wire
+from daisyweb.protocol.wire import SpooledBytes
 from daisyweb.training.rounds import BatchFn, Contribution, HeadStart, RoundTrainer
 from daisyweb.training.state import TrainState, probe_hash
 
@@ -93,6 +94,9 @@ class Driver:
         self.opts = opts
         self.faults = faults
         self.spooler = Spooler()  # snapshots go out from a file
+        # The snapshot of the current boundary, written once for every joiner offered
+        # one there (a 24-peer start offers 23 at boundary 0); a commit makes it stale.
+        self.snapshot: tuple[int, bytes | SpooledBytes, str] | None = None
         self.version = faults.version
         self.tok = tok
         self.tokinfo = tokinfo
@@ -458,6 +462,7 @@ class Driver:
                 self.report.computing(a.step)
                 self.tasks.append(asyncio.create_task(self._compute(a.step, a.sequences)))
             elif isinstance(a, sync.Commit):
+                self.snapshot = None  # the boundary moved (or a rollback recommitted)
                 assert self.state is not None and self.machine is not None
                 await self.report.commit(a, self.trainer, self.state, self.encoder,
                                          self.machine.total_steps, self.mesh)
@@ -526,11 +531,14 @@ class Driver:
         if self.trainer.step != step:  # cannot happen: the machine asks at its boundary
             log(f"not sending a snapshot of {self._unit()} {step} from {self.trainer.step}")
             return
-        # Not copied: the arrays are written out right here, on the event loop, before
-        # anything can replace or step them; the joiner downloads them from that file.
-        ckpt = self.state.checkpoint(self.tokinfo, copy=False)
-        payload = self.spooler.spool(lambda file: checkpoint_to_file(ckpt, file))
-        payload, announced = self.faults.snapshot(payload, self.state.weight_hash())
+        if self.snapshot is None or self.snapshot[0] != step:
+            # Not copied: the arrays are written out right here, on the event loop, before
+            # anything can replace or step them; joiners download them from that file.
+            ckpt = self.state.checkpoint(self.tokinfo, copy=False)
+            spooled = self.spooler.spool(lambda f: checkpoint_to_file(ckpt, f))
+            self.snapshot = step, spooled, self.state.weight_hash()
+        _, payload, weight_hash = self.snapshot
+        payload, announced = self.faults.snapshot(payload, weight_hash)
         self._send((peer,), self.state.run.to_wire())
         self._send((peer,), wire.Snapshot(step, announced, payload))
         log(f"sent snapshot of {self._unit()} {step} ({len(payload):,} bytes) to {peer}")

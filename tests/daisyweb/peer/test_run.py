@@ -1140,3 +1140,22 @@ def test_peer_over_the_reassembly_budget_loses_its_links_and_the_group_trains_on
         assert [r["step"] for r in p.steps()] == list(range(1, 17))
         assert all(len(r["roster"]) == 2 for r in p.steps())
     assert same_hashes(lead, a) == oracle(group, lead)
+
+
+def test_in_process_a_boundarys_snapshot_is_written_once_for_every_joiner(
+        tmp_path: Path, server: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Four peers start at once: the leader offers three joiners the snapshot of boundary
+    0 and writes it once (a 24-peer start wrote 23 copies on a starved event loop)."""
+    from daisyweb.peer.spill import Spooler
+
+    spooled: list[int] = []
+    real = Spooler.spool
+
+    def counting(self: Spooler, write):  # type: ignore[no-untyped-def]
+        payload = real(self, write)
+        spooled.append(len(payload))
+        return payload
+
+    monkeypatch.setattr(Spooler, "spool", counting)
+    assert asyncio.run(_group(tmp_path, server, 4, 2)) == [0, 0, 0, 0]
+    assert len(spooled) == 1, spooled
