@@ -356,6 +356,8 @@ class Driver:
         if isinstance(item, Interrupt):
             log(f"interrupted at {self._unit()} {m.boundary}")
             self.result = (130, "interrupted")
+            # The group hears that we leave on purpose: it goes on without counting us.
+            self._send(None, wire.Following("", 0))
         elif isinstance(item, Tick):
             await self._do(m.tick(now))
         elif isinstance(item, GradientReady):

@@ -139,8 +139,8 @@ class StepMachine(LeaderDuties, HashDuties):
         # Who leads, in which term, confirmed by whom (``election``). The leader a peer
         # starts with is confirmed: the run's starter, or the one a joiner's majority named.
         self.leadership = Leadership(self_id, leader, term)
-        # A successor not confirmed by a majority (or a follower's new leader that names
-        # no roster) within this many seconds: this peer is cut off and rejoins.
+        # A new leader that no majority declared (and that names us no roster) within
+        # this many seconds: this peer is cut off and rejoins.
         self.election_timeout = election_timeout
         self.repair_after = repair_after
         self.join_timeout = join_timeout
@@ -164,6 +164,9 @@ class StepMachine(LeaderDuties, HashDuties):
         self._backup: tuple[int, Any] | None = None  # (boundary, replica.backup())
         self._published: set[int] = set()  # boundaries whose roster the leader issued
         self._unlinked: set[str] = set()  # peers whose links are down (peer_down, peer_up)
+        # Members that said they left (interrupted, or cut off and rejoining), until a
+        # roster names them again.
+        self._left: set[str] = set()
 
     # ------------------------------------------------------------------ properties
     @property
@@ -181,8 +184,11 @@ class StepMachine(LeaderDuties, HashDuties):
 
     def electorate(self) -> tuple[str, ...]:
         """The roster that produced our boundary (the last committed one), else the last
-        roster we knew: leadership and reachability need a strict majority of it."""
-        return self._ledger.committed.get(self.boundary - 1) or self._last_roster
+        roster we knew, less the members that said they left (they declare no leader any
+        more, so two majorities still overlap): leadership and reachability need a strict
+        majority of it."""
+        roster = self._ledger.committed.get(self.boundary - 1) or self._last_roster
+        return tuple(p for p in roster if p not in self._left)
 
     @property
     def boundary(self) -> int:
@@ -378,6 +384,7 @@ class StepMachine(LeaderDuties, HashDuties):
         if not msg.leader:
             # The peer follows nobody: it rejoins (cut off) and is a joiner from now on.
             self.leadership.record(peer, "", 0)
+            self._left.add(peer)
             if peer in self.members.participants or peer == self.leader:
                 self.members.went_down(peer)
                 self._lost(out, peer, now)
@@ -469,6 +476,7 @@ class StepMachine(LeaderDuties, HashDuties):
     ) -> None:
         b = self.boundary
         self.members.learn(members)
+        self._left.difference_update(members)
         self._last_roster = members
         self._had_roster = True
         self.capacity = bool(shares)  # the leader's mode, kept if we take over
@@ -505,6 +513,7 @@ class StepMachine(LeaderDuties, HashDuties):
         st.shares = shares
         self._last_roster = members
         self._had_roster = True
+        self._left.difference_update(members)  # named again: members again
         # Gradients received before the roster from non-members are dropped now; the
         # members' are checked now (a bad one from a member halts, as it would later).
         st.grads = {p: g for p, g in st.grads.items() if p in members}

@@ -262,3 +262,24 @@ def test_a_minority_leader_never_names_a_roster() -> None:
     sent = [x for x in bus.queues.values() if x]
     assert "a" in bus.cut_offs and a.replica.step == step
     assert not sent or all(wire.decode(m).type != "roster" for q in sent for m in q)
+
+
+def test_a_member_that_leaves_on_purpose_no_longer_counts_toward_the_majority() -> None:
+    # Two peers: the follower is interrupted and says so; the leader goes on alone. Had
+    # it only lost the link, one of two would be no majority and the leader would stop.
+    bus = ElectionBus(["a", "b"], steps=6)
+    bus.start()
+    _settle(bus, 2)
+    a = bus.machines["a"]
+    bus.handle("a", a.message("b", wire.Following("", 0), bus.now))
+    bus.kill("b")
+    _release(bus)
+    assert "a" not in bus.cut_offs and bus.finished.get("a") is not None
+    assert a.electorate() == ("a",)
+    # without the word, the same loss cuts the leader off
+    bus = ElectionBus(["a", "b"], steps=6)
+    bus.start()
+    _settle(bus, 2)
+    bus.kill("b")
+    _release(bus)
+    assert "no majority" in bus.cut_offs["a"].reason
