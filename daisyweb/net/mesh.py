@@ -185,6 +185,12 @@ class Mesh:
         return self._signaling.self_id
 
     @property
+    def signaling_up(self) -> bool:
+        """Whether our signaling socket is open: once the server dropped us (we did not
+        answer its pings, paused), no new link can be signaled and we are no member."""
+        return self._signaling.up
+
+    @property
     def members(self) -> tuple[str, ...]:
         """The signaling server's approved members of our group (ids in server order)."""
         return self._signaling.members

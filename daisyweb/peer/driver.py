@@ -114,6 +114,7 @@ class Driver:
         # only after it, so a peer of another version is refused before it gets one.
         self.hello_from: set[str] = set()
         self.tasks: list[asyncio.Task[None]] = []
+        self.pump: asyncio.Task[None] | None = None  # mesh events into the queue
         self.head: PendingHead | None = None  # at most one, and never beside a compute
         self.corpus: asyncio.Future[object]  # the built-in corpus being encoded (main)
         self.rows = 0  # sequences per inner step of our last contribution (set by _compute)
@@ -147,24 +148,8 @@ class Driver:
         # while the peer joins: on the event loop it would stall the links' heartbeats
         # just after a follower takes its snapshot.
         self.corpus = asyncio.get_running_loop().run_in_executor(None, builtin_tokens)
-        self.mesh = self._make_mesh()
-        self.outboxes = Outboxes(self.mesh.send, log)
-        drop = self.faults.drop_outgoing()
-        if drop is not None:
-            self.mesh.drop_outgoing = drop
         try:
-            try:
-                await self.mesh.start()
-            # Checked first, as a JoinTimeout may well be an OSError too.
-            except JoinTimeout as exc:
-                raise PeerError(3, f"{exc}") from None
-            except JoinDenied as exc:
-                raise PeerError(3, f"the host denied this peer: {exc}") from None
-            except (MeshError, OSError) as exc:
-                raise PeerError(3, f"cannot join: {exc}") from None
-            log(f"joined as {self.mesh.self_id}"
-                + (f" in room {self.opts.room}" if self.opts.room else ""))
-            self.tasks.append(asyncio.create_task(self._pump_mesh()))
+            await self._join()
             self.tasks.append(asyncio.create_task(self._ticker()))
             self.tasks.append(asyncio.create_task(self._announce_host_link()))
             if self.opts.start:
@@ -181,7 +166,7 @@ class Driver:
             await self.outboxes.drain()
             return code
         finally:
-            pending = self.tasks + self.outboxes.tasks()
+            pending = [*self.tasks, *self.outboxes.tasks(), *([self.pump] if self.pump else [])]
             for t in pending:
                 t.cancel()
             for t in pending:
@@ -190,6 +175,39 @@ class Driver:
             with contextlib.suppress(Exception):
                 await self.mesh.close()
             self.report.close()
+
+    async def _join(self) -> None:
+        """A new mesh, joined to the room (admitted), its events pumped into the queue."""
+        self.mesh = self._make_mesh()
+        self.outboxes = Outboxes(self.mesh.send, log)
+        drop = self.faults.drop_outgoing()
+        if drop is not None:
+            self.mesh.drop_outgoing = drop
+        try:
+            await self.mesh.start()
+        # Checked first, as a JoinTimeout may well be an OSError too.
+        except JoinTimeout as exc:
+            raise PeerError(3, f"{exc}") from None
+        except JoinDenied as exc:
+            raise PeerError(3, f"the host denied this peer: {exc}") from None
+        except (MeshError, OSError) as exc:
+            raise PeerError(3, f"cannot join: {exc}") from None
+        log(f"joined as {self.mesh.self_id}"
+            + (f" in room {self.opts.room}" if self.opts.room else ""))
+        self.pump = asyncio.create_task(self._pump_mesh())
+
+    async def _join_again(self) -> None:
+        """The signaling server dropped us (we could not answer its pings): leave the old
+        mesh and join the room anew, under a new id the server gives."""
+        log("the signaling server dropped this peer while it could not answer; "
+            "joining the room again")
+        old, pump = self.mesh, self.pump
+        for t in [*self.outboxes.tasks(), *([pump] if pump else [])]:
+            t.cancel()
+        with contextlib.suppress(Exception):
+            await old.close()
+        self.hello_from.clear()
+        await self._join()
 
     async def _pump_mesh(self) -> None:
         while True:
@@ -264,7 +282,7 @@ class Driver:
         start = await handshake.await_snapshot(
             self.queue, self._peer_connected, self._peer_gone, self.version, self.tokinfo,
             self.opts.join_timeout, self.mesh.self_id, lambda: self.mesh.members,
-            rejoining=self.cut_off is not None)
+            rejoining=self.cut_off is not None, signaling_up=self._signaling_up)
         self.state = state = start.state
         try:
             self._make_replica(state)
@@ -345,8 +363,18 @@ class Driver:
         self.machine = None
         self.generation += 1  # a contribution still computing is for the old machine
         self.head = None
-        await self._start_follower()
+        while True:
+            if not self._signaling_up():
+                await self._join_again()
+            try:
+                await self._start_follower()
+                break
+            except handshake.SignalingGone:
+                continue  # dropped by the server while we waited: join anew
         self.cut_off = None
+
+    def _signaling_up(self) -> bool:
+        return bool(getattr(self.mesh, "signaling_up", True))  # a test mesh has no server
 
     async def _handle(self, item: Item) -> None:
         m = self.machine

@@ -42,7 +42,8 @@ from daisyweb.training.config import RunConfig, run_config
 from daisyweb.training.rounds import rounds_before
 from daisyweb.training.state import TrainState
 
-__all__ = ["BUFFER_BEFORE_START", "FollowerStart", "agreed_leader", "await_snapshot",
+__all__ = ["BUFFER_BEFORE_START", "FollowerStart", "SignalingGone", "agreed_leader",
+           "await_snapshot",
            "leader_state", "tokenizer_info", "wait_for_peers"]
 
 BUFFER_BEFORE_START = 512  # messages kept while a follower waits for its snapshot
@@ -184,6 +185,11 @@ def _disagreement(claims: Mapping[str, str], members: Sequence[str], self_id: st
     return "; ".join(parts)[:400] or "no member has said who leads"
 
 
+class SignalingGone(Exception):
+    """The signaling server dropped this peer while it waited for a snapshot: nobody can
+    connect to it any more; it must join the room again."""
+
+
 @dataclass
 class FollowerStart:
     """What a follower starts from: the leader's validated config and snapshot."""
@@ -201,10 +207,13 @@ async def await_snapshot(queue: asyncio.Queue[Item], on_up: Callable[[str], None
                          tokinfo: TokenizerInfo, join_timeout: float,
                          self_id: str = "",
                          members: Callable[[], Sequence[str]] = tuple,
-                         rejoining: bool = False) -> FollowerStart:
+                         rejoining: bool = False,
+                         signaling_up: Callable[[], bool] = lambda: True) -> FollowerStart:
     """Wait for Config + Snapshot from the group's leader (:func:`agreed_leader`);
     buffer everything else meanwhile. ``rejoining``: this peer was cut off from its
-    group and joins it again (only the lines that say what went wrong differ)."""
+    group and joins it again (only the lines that say what went wrong differ).
+    :class:`SignalingGone` when ``signaling_up()`` turns False meanwhile (checked at
+    least at every item: the driver's ticks come five times a second)."""
     deadline = time.monotonic() + join_timeout
     held: deque[Item] = deque(maxlen=BUFFER_BEFORE_START)
     configs: dict[str, wire.Config] = {}
@@ -213,6 +222,8 @@ async def await_snapshot(queue: asyncio.Queue[Item], on_up: Callable[[str], None
     claims: dict[str, str] = {}  # peer -> the leader it follows ("" not started)
     terms: dict[str, int] = {}  # peer -> the term of the leader it follows
     while True:
+        if not signaling_up():
+            raise SignalingGone
         group = tuple(members())  # the signaling server's members, as of now
         leader = agreed_leader(claims, group, self_id)
         if leader is not None and leader in snapshots and leader in configs:

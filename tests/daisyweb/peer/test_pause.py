@@ -6,11 +6,24 @@ group's commits do not stall for long."""
 from __future__ import annotations
 
 import signal
+import subprocess
+import sys
 import time
+from collections.abc import Iterator
+from pathlib import Path
 
 import pytest
 
-from tests.daisyweb.peer.test_run import TINY, Group, Peer, _wait_step, group, server
+from tests.daisyweb.peer.test_run import (
+    ROOT,
+    TINY,
+    Group,
+    Peer,
+    _free_port,
+    _wait_step,
+    group,
+    server,
+)
 
 __all__ = ["group", "server"]  # the fixtures, shared with test_run
 
@@ -62,3 +75,48 @@ def test_a_peer_paused_10_s_rejoins_and_the_group_keeps_one_model(group: Group,
     # the group goes on: its longest wait for a commit is the pause's detection, not more
     gap = max(_longest_gap(p) for p in survivors if codes[p.name] == 0)
     assert gap <= 20.0, (gap, logs)
+
+
+@pytest.fixture
+def impatient_server() -> Iterator[str]:
+    """A signaling server that pings every 3 s: a peer paused 10 s is dropped from it."""
+    port = _free_port()
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "signaling.cli", "--host", "127.0.0.1", "--port", str(port),
+         "--data", "builtin", "--heartbeat", "3"],
+        cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:
+        deadline = time.monotonic() + 30
+        while True:
+            try:
+                with __import__("socket").create_connection(("127.0.0.1", port), 0.5):
+                    break
+            except OSError:
+                assert proc.poll() is None and time.monotonic() < deadline
+                time.sleep(0.1)
+        yield f"http://127.0.0.1:{port}"
+    finally:
+        proc.terminate()
+        proc.wait(timeout=10)
+
+
+def test_a_peer_the_server_dropped_while_paused_joins_the_room_again(
+        impatient_server: str, tmp_path: Path) -> None:
+    g = Group(impatient_server, tmp_path, "tpaused01")
+    try:
+        lead = g.leader(*RUN, env=SLOW)
+        others = [g.spawn(n, env=SLOW) for n in ("a", "b", "c")]
+        _wait_step(lead, 10)
+        paused = others[-1]
+        first_id = paused.id()
+        _pause(paused, PAUSE_S)
+        peers = [lead, *others]
+        codes = [p.wait() for p in peers]
+        logs = g.logs()
+        text = paused.log.read_text()
+        assert "joining the room again" in text, logs
+        assert text.count("joined as ") == 2 and first_id in text, logs
+        assert codes == [0, 0, 0, 0], logs
+        assert len({p.end()["weight_hash"] for p in peers}) == 1, logs
+    finally:
+        g.kill_all()
