@@ -17,8 +17,9 @@ import numpy as np
 
 from daisyweb.data import BatchSampler, builtin_tokens, default_tokenizer
 from daisyweb.model import ModelConfig
-from daisyweb.protocol.averaging import average_in_roster_order
+from daisyweb.protocol.averaging import average_parts_in_roster_order
 from daisyweb.protocol.codec import codec_by_name
+from daisyweb.protocol.influence import clip_factors, squared_norm
 from daisyweb.training.config import DEFAULTS, RunConfig
 from daisyweb.training.evaluate import heldout_batches, heldout_loss
 from daisyweb.training.rounds import LockstepTrainer, RoundTrainer, round_count
@@ -35,6 +36,7 @@ class SimResult:
     curve: list[tuple[int, float]] = field(default_factory=list)  # (inner step, held-out)
     bytes_per_peer: int = 0  # payload bytes each peer sent to each other member
     compute_s: float = 0.0
+    clipped: int = 0  # contributions the bounded-influence clip scaled down
 
     @property
     def final(self) -> float:
@@ -49,7 +51,11 @@ def heldout_eval(run: RunConfig) -> Callable[[np.ndarray], float]:
 
 def simulate(peers: int, steps: int, sync_every: int = 1, codec: str = "f32",
              outer_lr: float = 1.0, eval_every: int = 50, batch: int = 8,
-             lr: float = float(DEFAULTS["lr"]), seed: int = 0, overlap: int = 0) -> SimResult:
+             lr: float = float(DEFAULTS["lr"]), seed: int = 0, overlap: int = 0,
+             clip: bool = True,
+             attack: Callable[[int, np.ndarray], np.ndarray] | None = None) -> SimResult:
+    """``clip``: bound each contribution as the members do (``protocol.influence``);
+    ``attack(round, delta)``: what the last peer sends instead of its delta."""
     tok = default_tokenizer()
     train = np.asarray(builtin_tokens())  # the training part: the held-out 5% is not in it
     run = RunConfig(model=ModelConfig(vocab=tok.vocab_size), batch=batch, steps=steps,
@@ -86,10 +92,19 @@ def simulate(peers: int, steps: int, sync_every: int = 1, codec: str = "f32",
                  else trainer.contribute(r, batch))
             previous[p] = c
             trainer.stage(c)
-            payloads.append(encoders[p].encode(c.vector))
+            vector = c.vector
+            if attack is not None and p == names[-1]:
+                vector = attack(r, vector)
+            payloads.append(encoders[p].encode(vector))
         res.bytes_per_peer += len(payloads[0])
         size = lead.size
-        mean = average_in_roster_order([decoder.decode(b, size) for b in payloads])
+        factors: tuple[np.float32 | None, ...] = ()
+        if clip:
+            factors = clip_factors([squared_norm(decoder.decode_parts(b, size))
+                                    for b in payloads])
+            res.clipped += sum(f is not None for f in factors)
+        mean = average_parts_in_roster_order([decoder.decode_parts(b, size) for b in payloads],
+                                             size, (), factors)
         for p in names:
             trainers[p].apply(mean)
         hashes = {trainers[p].weight_hash() for p in names}

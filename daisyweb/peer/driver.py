@@ -62,6 +62,7 @@ from daisyweb.peer.options import PeerError, PeerOptions, log, mesh_transport_op
 from daisyweb.peer.report import Report
 from daisyweb.peer.spill import SpillArchive, Spooler
 from daisyweb.protocol import budget, sync, wire
+from daisyweb.protocol.influence import CLIP_FACTOR
 from daisyweb.protocol.wire import SpooledBytes
 from daisyweb.training.rounds import BatchFn, Contribution, HeadStart, RoundTrainer
 from daisyweb.training.state import TrainState, probe_hash
@@ -493,6 +494,9 @@ class Driver:
                 self.tasks.append(asyncio.create_task(self._compute(a.step, a.sequences)))
             elif isinstance(a, sync.Commit):
                 self.snapshot = None  # the boundary moved (or a rollback recommitted)
+                if a.clipped:
+                    log(f"{self._unit()} {a.step}: held the contribution of "
+                        f"{', '.join(a.clipped)} to {CLIP_FACTOR:g}x the median norm")
                 assert self.state is not None and self.machine is not None
                 await self.report.commit(a, self.trainer, self.state, self.encoder,
                                          self.machine.total_steps, self.mesh)

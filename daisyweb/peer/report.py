@@ -168,6 +168,8 @@ class Report:
                 self.last_heldout = (heldout[0], done)
         if c.rollback:
             record["rollback"] = True
+        if c.clipped:  # members whose contribution was held to the bound (influence)
+            record["clipped"] = list(c.clipped)
         self.metrics.write(record)
         every = self.opts.save_every
         if self.opts.save and every and done // every > self.last_saved // every:

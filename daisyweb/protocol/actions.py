@@ -84,6 +84,7 @@ class Commit:
     probe_hash: str
     rollback: bool = False
     shares: tuple[int, ...] = ()  # sequences per roster member (empty: equal batches)
+    clipped: tuple[str, ...] = ()  # members whose contribution was scaled to the bound
 
 
 @dataclass(frozen=True)

@@ -111,7 +111,8 @@ def weighted_average_in_roster_order(grads: Iterable[np.ndarray], shares: Sequen
 
 
 def average_parts_in_roster_order(parts: Sequence[Parts], size: int,
-                                  shares: Sequence[int] = ()) -> np.ndarray:
+                                  shares: Sequence[int] = (),
+                                  factors: Sequence[np.float32 | None] = ()) -> np.ndarray:
     """What :func:`weighted_average_in_roster_order` (``shares`` given and unequal) or
     :func:`average_in_roster_order` (otherwise) computes from the whole vectors, bit for
     bit, from vectors given part by part: every member's part of one range is added in
@@ -122,7 +123,8 @@ def average_parts_in_roster_order(parts: Sequence[Parts], size: int,
     ``f32(1/n)`` or ``f32(1/T)``), so the result is the same; but only the sum and one
     part of each member are held, never a whole decoded vector besides the sum (5.3 MB
     less at a commit of the demo default). Every member must yield the same ranges,
-    together covering ``0 .. size`` in order.
+    together covering ``0 .. size`` in order. ``factors`` (``influence.clip_factors``)
+    scales a member's values first (one float32 multiplication) where it is not None.
     """
     if not parts:
         raise GradientError("cannot average an empty roster")
@@ -130,6 +132,9 @@ def average_parts_in_roster_order(parts: Sequence[Parts], size: int,
         _check_shares(shares, len(parts))
     weighted = len(set(int(n) for n in shares)) > 1
     weights = [np.float32(n) for n in shares] if weighted else None
+    if factors and len(factors) != len(parts):
+        raise GradientError(f"{len(factors)} clip factors for {len(parts)} contributions")
+    clip = list(factors) if factors else [None] * len(parts)
     total = np.empty(size, np.float32)
     done = 0
     for row in zip_longest(*parts):
@@ -144,6 +149,8 @@ def average_parts_in_roster_order(parts: Sequence[Parts], size: int,
             if at != where:
                 raise GradientError("members' parts cover different ranges")
             _check_same(values, out)
+            if clip[k] is not None:
+                values = np.multiply(values, clip[k], out=values)
             if weights is not None:
                 values = np.multiply(values, weights[k], out=values)
             if k == 0:

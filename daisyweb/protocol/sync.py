@@ -68,6 +68,7 @@ from daisyweb.protocol.averaging import GradientError, average_parts_in_roster_o
 from daisyweb.protocol.codec import F32, Codec, check_payload, decode_parts
 from daisyweb.protocol.election import Leadership, reaches_majority
 from daisyweb.protocol.hashes import HashBook, HashDuties
+from daisyweb.protocol.influence import clip_factors, squared_norm
 from daisyweb.protocol.leading import LeaderDuties
 from daisyweb.protocol.ledger import Archive, StepLedger
 from daisyweb.protocol.membership import Membership, successor
@@ -594,20 +595,36 @@ class StepMachine(LeaderDuties, HashDuties):
         # The decoded values of the very bytes every member holds (its own included),
         # decoded part by part as the average adds them (all were validated on arrival).
         size = self.replica.size
+        # Bounded influence: each contribution's norm against the round's median, from
+        # the decoded values (a first pass over the bytes), the same on every member.
+        norms2 = [squared_norm(decode_parts(self.codec, st.grads[p], size, f"from {p}"))
+                  for p in st.roster]
+        factors = clip_factors(norms2)
+        clipped = tuple(p for p, f in zip(st.roster, factors, strict=True) if f is not None)
         parts = [decode_parts(self.codec, st.grads[p], size, f"gradient from {p}")
                  for p in st.roster]
+        # The mean is ours alone: the replica may keep its buffer (the outer step's).
+        mean = average_parts_in_roster_order(parts, size, st.shares, factors)
+        bad = int(mean.size - np.count_nonzero(np.isfinite(mean)))
+        if bad:
+            self._stop(out, step, f"the mean of {self.unit} {step} has {bad} values that are "
+                                  f"not finite (contributions of {', '.join(st.roster)})", True)
+            return False
         backup = getattr(self.replica, "backup", None)
         if backup is not None:
             self._backup = (step, backup())
-        # The mean is ours alone: the replica may keep its buffer (the outer step's).
-        self.replica.apply(average_parts_in_roster_order(parts, size, st.shares), owned=True)
+        try:
+            self.replica.apply(mean, owned=True)
+        except (GradientError, ValueError) as exc:  # refused before any change
+            self._stop(out, step, f"refused the mean of {self.unit} {step}: {exc}", True)
+            return False
         self._ledger.committed[step] = st.roster
         self._ledger.committed_shares[step] = st.shares
         self._ledger.forget_before(step, self.history, keep_grads=self.is_leader)
         self._publish_hashes(out)
         wh, ph = self._hashes.own[self.boundary]
         out.append(Commit(step, st.roster, self._losses.pop(step, None), wh, ph, rollback,
-                          st.shares))
+                          st.shares, clipped))
         return True
 
     def _progress(self, out: list[Action], now: float) -> None:

@@ -2,7 +2,8 @@
 
 Every replica in a group must end bit-identical to this: start from the initial
 parameters and a fresh DaisyAdam, and for each committed step average exactly the
-roster's gradients in roster order (``average_in_roster_order``) and take one step.
+roster's gradients in roster order (``average_in_roster_order``), each first bounded as
+the members bound it (``protocol.influence``), and take one step.
 Tests feed it the per-peer gradients the peers actually used and compare its hash with
 every peer's final weight hash. :func:`replay_rounds` is the same oracle for runs in
 rounds (``--sync-every H``), fed the decoded round deltas.
@@ -21,6 +22,7 @@ from daisyweb.protocol.averaging import (
     check_gradient,
     weighted_average_in_roster_order,
 )
+from daisyweb.protocol.influence import clip_factors, squared_norm
 from daisyweb.training.rounds import outer_step, round_length, shared_hash
 
 __all__ = ["replay", "replay_hashes", "replay_rounds", "round_anchors"]
@@ -39,6 +41,10 @@ def _combine(spec: StepSpec, size: int, what: str) -> np.ndarray:
     if missing:
         raise ValueError(f"replay {what}: no contribution from {', '.join(missing)}")
     ordered = [check_gradient(grads[p], size, f"{what} {p}") for p in roster]
+    # Bounded influence, as every member applies it (``protocol.influence``).
+    factors = clip_factors([squared_norm([(slice(0, size), g)]) for g in ordered])
+    ordered = [g if f is None else np.multiply(g, f, dtype=np.float32)
+               for g, f in zip(ordered, factors, strict=True)]
     if shares:
         return weighted_average_in_roster_order(ordered, list(shares))
     return average_in_roster_order(ordered)

@@ -876,4 +876,5 @@ def test_a_commit_decodes_part_by_part_and_hands_over_its_mean() -> None:
     bus.start()
     bus.run()
     assert set(bus.finished) == {"a", "b", "c"} and handed == [True] * 6
-    assert codec.whole == 0 and codec.parted == 6 * 3  # 3 members, 2 steps, 3 payloads
+    # 3 members, 2 steps, 3 payloads, each decoded twice: its norm, then the average
+    assert codec.whole == 0 and codec.parted == 6 * 3 * 2
