@@ -9,6 +9,7 @@
 //  - a data.pkl of the opcodes daisyweb's encoder emits (protocol 2, dicts, str, int,
 //    float, bool, tuples, three globals: torch._utils._rebuild_tensor_v2,
 //    torch.FloatStorage, collections.OrderedDict); no memo, no lists, no other global;
+//    within a budget of memory, container sizes and nesting depth (see unpickle);
 //  - tensors: float32, offset 0, C-contiguous, each its own whole storage, each storage
 //    used once;
 //  - the checkpoint rules of daisyweb/checkpoints/checkpoint.py: magic, format version,
@@ -23,6 +24,17 @@
 
   const MAX_FILE_BYTES = 1 << 30; // what a browser tab can hold twice over
   const MAX_PICKLE_BYTES = 16 << 20; // ptfile.MAX_PICKLE_BYTES
+  // The pickle's budget, as daisyweb/checkpoints/unpickle.py's: what the objects it
+  // builds may cost (bytes, estimated for V8): MEMORY_PER_PICKLE_BYTE per pickle byte
+  // plus a floor, capped. The largest model the rules admit (1024 layers, 12,295
+  // tensors) pickles to 1.9 MB and costs 15 MB here (8 a pickle byte); a one-byte opcode
+  // that builds a dict costs 136, so a 16 MB pickle of them stops after 0.25 M dicts.
+  const MEMORY_PER_PICKLE_BYTE = 16;
+  const MEMORY_FLOOR = 1 << 20;
+  const MAX_PICKLE_MEMORY = 32 << 20;
+  const MAX_DEPTH = 64; // ptfile._MAX_DEPTH: nesting of dicts and tuples
+  const MAX_DICT_ENTRIES = 1 << 14; // the largest checkpoint's top dict has 12,301 keys
+  const MAX_TUPLE_ITEMS = 32; // ptfile._MAX_NDIM; a checkpoint's tuples hold 0-6 items
   const MAX_DIM = 2 ** 31; // rules.MAX_DIM
   const MAX_LAYERS = 1024; // rules.MAX_LAYERS
   const MAX_PARAMS = 2 ** 27; // rules.MAX_PARAMS
@@ -219,7 +231,7 @@
   }
 
   // ------------------------------------------------------------------ pickle
-  class Tuple { constructor(items) { this.items = items; } }
+  class Tuple { constructor(items) { this.items = items; this.depth = 1; } }
   class Global { constructor(name) { this.name = name; } }
   class Storage { constructor(key, numel) { this.key = key; this.numel = numel; } }
   class Tensor { constructor(key, shape) { this.key = key; this.shape = shape; } }
@@ -227,14 +239,42 @@
   const GLOBALS = new Set(["torch._utils._rebuild_tensor_v2", "torch.FloatStorage",
     "collections.OrderedDict"]);
 
+  // What the machine charges (bytes, V8 estimates): a reference on the stack or in a
+  // container, and each kind of object it creates.
+  const COST = { ref: 8, map: 128, entry: 32, tuple: 48, string: 24, number: 16, object: 48 };
+
+  function pickleBudget(n) {
+    return Math.min(MAX_PICKLE_MEMORY, MEMORY_PER_PICKLE_BYTE * n + MEMORY_FLOOR);
+  }
+
   function unpickle(b) {
     const stack = [], marks = [];
     const dec = new TextDecoder("utf-8");
-    let p = 0;
+    const depths = new WeakMap(); // dict -> its nesting depth (1 + its deepest value's)
+    const budget = pickleBudget(b.length);
+    let left = budget;
+    let p = 0, at = 0; // the next byte, and where the current opcode starts
     const need = (n) => { if (p + n > b.length) throw refuse("data.pkl is truncated"); };
+    // Every push, mark and entry is charged before it exists, so a pickle of 16 M
+    // one-byte EMPTY_DICTs is refused after a few MB instead of building 16 M Maps.
+    const charge = (n) => {
+      left -= n;
+      if (left < 0) {
+        throw refuse(`data.pkl builds more objects than its budget of ${budget} bytes ` +
+          `(at byte ${at}); a checkpoint never needs that many`);
+      }
+    };
+    const push = (v, cost = 0) => { charge(COST.ref + cost); stack.push(v); };
+    const depthOf = (v) => (v instanceof Tuple ? v.depth : v instanceof Map ? depths.get(v) : 0);
+    const deeper = (d) => {
+      if (d > MAX_DEPTH) throw refuse(`data.pkl nests more than ${MAX_DEPTH} deep (at byte ${at})`);
+      return d;
+    };
     const popMark = () => {
       if (!marks.length) throw refuse("data.pkl: unbalanced mark");
-      return stack.splice(marks.pop());
+      const start = marks.pop();
+      charge(COST.ref * (stack.length - start)); // the slice is a second list of them
+      return stack.splice(start);
     };
     const pop = () => {
       if (stack.length <= (marks.length ? marks[marks.length - 1] : 0)) {
@@ -254,55 +294,79 @@
     p = 2;
     for (;;) {
       need(1);
+      at = p;
       const op = b[p++];
       switch (op) {
-        case 0x7d: stack.push(new Map()); break; // EMPTY_DICT
-        case 0x28: marks.push(stack.length); break; // MARK
+        case 0x7d: { // EMPTY_DICT
+          const d = new Map();
+          push(d, COST.map);
+          depths.set(d, 1);
+          break;
+        }
+        case 0x28: charge(COST.ref); marks.push(stack.length); break; // MARK
         case 0x75: { // SETITEMS
           const items = popMark();
           const d = stack[stack.length - 1];
           if (!(d instanceof Map) || items.length % 2) throw refuse("data.pkl: bad SETITEMS");
+          if (d.size + items.length / 2 > MAX_DICT_ENTRIES) {
+            throw refuse(`data.pkl: a dict of more than ${MAX_DICT_ENTRIES} entries (at byte ${at})`);
+          }
+          let depth = depths.get(d);
           for (let i = 0; i < items.length; i += 2) {
             if (typeof items[i] !== "string") throw refuse("data.pkl: a dict key is not a string");
             if (d.has(items[i])) throw refuse(`data.pkl: key ${items[i].slice(0, 40)} repeats`);
+            charge(COST.entry);
+            depth = Math.max(depth, deeper(1 + depthOf(items[i + 1])));
             d.set(items[i], items[i + 1]);
           }
+          depths.set(d, depth);
           break;
         }
         case 0x58: { // BINUNICODE
           need(4);
           const n = u32(b, p); p += 4;
           need(n);
-          stack.push(dec.decode(b.subarray(p, p + n))); p += n;
+          charge(COST.string + 2 * n); // two bytes a character at worst
+          push(dec.decode(b.subarray(p, p + n))); p += n;
           break;
         }
-        case 0x4b: need(1); stack.push(b[p++]); break; // BININT1
-        case 0x4a: need(4); stack.push(u32(b, p) | 0); p += 4; break; // BININT
+        case 0x4b: need(1); push(b[p++]); break; // BININT1
+        case 0x4a: need(4); push(u32(b, p) | 0, COST.number); p += 4; break; // BININT
         case 0x8a: { // LONG1: little-endian two's complement
           need(1);
           const n = b[p++];
           need(n);
+          charge(COST.number + n);
           let v = 0n;
           for (let i = n - 1; i >= 0; i--) v = (v << 8n) | BigInt(b[p + i]);
           if (n && b[p + n - 1] & 0x80) v -= 1n << BigInt(8 * n);
           p += n;
-          stack.push(v);
+          push(v);
           break;
         }
-        case 0x47: need(8); stack.push(new DataView(b.buffer, b.byteOffset + p, 8).getFloat64(0, false)); p += 8; break; // BINFLOAT
-        case 0x88: stack.push(true); break; // NEWTRUE
-        case 0x89: stack.push(false); break; // NEWFALSE
+        case 0x47: need(8); push(new DataView(b.buffer, b.byteOffset + p, 8).getFloat64(0, false), COST.number); p += 8; break; // BINFLOAT
+        case 0x88: push(true); break; // NEWTRUE
+        case 0x89: push(false); break; // NEWFALSE
         case 0x63: { // GLOBAL
           const name = line() + "." + line();
           if (!GLOBALS.has(name)) {
             throw refuse(`data.pkl names ${name.slice(0, 80)}, which a checkpoint never needs ` +
               "(it could run code); refusing");
           }
-          stack.push(new Global(name));
+          push(new Global(name), COST.object + COST.string + 2 * name.length);
           break;
         }
-        case 0x74: stack.push(new Tuple(popMark())); break; // TUPLE
-        case 0x29: stack.push(new Tuple([])); break; // EMPTY_TUPLE
+        case 0x74: { // TUPLE
+          const items = popMark();
+          if (items.length > MAX_TUPLE_ITEMS) {
+            throw refuse(`data.pkl: a tuple of more than ${MAX_TUPLE_ITEMS} items (at byte ${at})`);
+          }
+          const t = new Tuple(items);
+          t.depth = deeper(1 + items.reduce((d, v) => Math.max(d, depthOf(v)), 0));
+          push(t, COST.tuple);
+          break;
+        }
+        case 0x29: push(new Tuple([]), COST.tuple); break; // EMPTY_TUPLE
         case 0x51: { // BINPERSID: ('storage', FloatStorage, key, 'cpu', numel)
           const pid = pop();
           const it = pid instanceof Tuple ? pid.items : [];
@@ -311,16 +375,16 @@
             !Number.isInteger(it[4]) || it[4] < 0) {
             throw refuse("data.pkl: a storage that is not float32");
           }
-          stack.push(new Storage(it[2], it[4]));
+          push(new Storage(it[2], it[4]), COST.object);
           break;
         }
         case 0x52: { // REDUCE
           const args = pop(), fn = pop();
           if (!(fn instanceof Global) || !(args instanceof Tuple)) throw refuse("data.pkl: bad call");
           if (fn.name === "collections.OrderedDict" && args.items.length === 0) {
-            stack.push(EMPTY_ORDERED);
+            push(EMPTY_ORDERED);
           } else if (fn.name === "torch._utils._rebuild_tensor_v2") {
-            stack.push(rebuild(args.items));
+            push(rebuild(args.items), COST.object);
           } else {
             throw refuse(`data.pkl: refusing call of ${fn.name}`);
           }
@@ -368,10 +432,12 @@
 
   function keysExactly(map, keys, what) {
     if (!(map instanceof Map)) throw refuse(`${what} is not a dict`);
-    const extra = [...map.keys()].filter((k) => !keys.includes(k));
+    const want = new Set(keys); // linear: the top dict may have 12 K keys
+    const extra = [...map.keys()].filter((k) => !want.has(k));
     const missing = keys.filter((k) => !map.has(k));
-    if (missing.length) throw refuse(`${what} is missing ${missing.slice(0, 5).join(", ")}`);
-    if (extra.length) throw refuse(`${what} has unexpected entries ${extra.slice(0, 5).join(", ")}`);
+    const list = (ks) => ks.slice(0, 5).map((k) => k.slice(0, 40)).join(", ");
+    if (missing.length) throw refuse(`${what} is missing ${list(missing)}`);
+    if (extra.length) throw refuse(`${what} has unexpected entries ${list(extra)}`);
   }
 
   function checkModel(m) {
@@ -404,13 +470,19 @@
     return b;
   }
 
+  // A caller holding a File checks its size before reading it: the read itself is what
+  // a 1.2 GB pick would cost.
+  function checkFileSize(n) {
+    if (n > MAX_FILE_BYTES) throw refuse(`file is larger than ${MAX_FILE_BYTES} bytes (${n})`);
+  }
+
   // bytes: the whole file; tokenizer: {vocabSize, fileHash} of this page.
   // Returns {model, step, weightHash, run, tensors: name -> Float32Array}.
   function readCheckpoint(bytes, tokenizer) {
     if (new Uint8Array(new Uint16Array([1]).buffer)[0] !== 1) {
       throw refuse("this browser is big-endian; the reader needs little-endian floats");
     }
-    if (bytes.length > MAX_FILE_BYTES) throw refuse(`file is larger than ${MAX_FILE_BYTES} bytes`);
+    checkFileSize(bytes.length);
     const zip = readZip(bytes);
     const A = "archive/";
     const text = (name) => new TextDecoder().decode(zip.read(A + name));
@@ -518,5 +590,5 @@
     return { model: cfg, step: Number(step), weightHash: actual, run, tensors };
   }
 
-  root.DaisyPt = { CheckpointRefused, readCheckpoint, Blake2b256, crc32 };
+  root.DaisyPt = { CheckpointRefused, readCheckpoint, checkFileSize, Blake2b256, crc32 };
 })(typeof window !== "undefined" ? window : globalThis);

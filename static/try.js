@@ -32,6 +32,7 @@
     input.dataset.state = "reading";
     info.textContent = `reading ${clipName(file.name)}…`;
     try {
+      window.DaisyPt.checkFileSize(file.size); // before reading: the read is the cost
       const tok = await getTokenizer();
       const bytes = new Uint8Array(await file.arrayBuffer());
       const ck = window.DaisyPt.readCheckpoint(bytes, tok);
