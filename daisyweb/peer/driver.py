@@ -249,7 +249,8 @@ class Driver:
             # Capacity-weighted batches are the leader's choice; a follower learns the
             # mode from the rosters it is sent.
             capacity=self.opts.start and self.opts.capacity, batch=self.state.run.batch,
-            archive=SpillArchive(), term=term, unit=unit(self.state.run))
+            archive=SpillArchive(), term=term, unit=unit(self.state.run),
+            inner_steps=self.state.run.sync_every)
         self.faults.machine = self.machine
         return self.machine
 

@@ -4,13 +4,15 @@ round's) sequences, from the speeds the members report.
 The group's batch stays what it is without weighting, ``batch`` sequences per member;
 only who computes them changes. Each member's share is proportional to its measured
 speed (sequences per second of compute, ``wire.StepHashes.speed``), so every member
-needs about the same time and nobody waits long for a slow one. A member without a
+needs about the same time and nobody waits long for a slow one. Speeds are what members
+report, bounded by what the leader sees (:func:`bounded_speeds`). A member without a
 measurement yet (the first step, a joiner) counts at the mean speed of the others; with
 no measurement at all, or speeds within ``DEADBAND`` of each other, every member takes
 ``batch`` (then the average is the plain one, bit for bit). Each member takes at least
-one sequence and at most ``MAX_FACTOR`` times ``batch`` (its memory was sized for about
-``batch``). The previous step's shares stay while no member's new share differs from
-its old one by more than a quarter (at least one sequence): noise does not move them,
+one sequence and at most ``MAX_FACTOR`` times ``batch``, the equal share (its memory was
+sized for about ``batch``, and no member's weight in the average may be bought). The
+previous step's shares stay while no member's new share differs from its old one by
+more than a quarter (at least one sequence): noise does not move them,
 and a member's head start of the next round (``--overlap``, drawn with its last share)
 stays usable. Pure: the followers never recompute it, they take the shares the roster
 carries, so the contributions are always weighted by exactly the counts used.
@@ -20,10 +22,22 @@ from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
 
-__all__ = ["DEADBAND", "MAX_FACTOR", "capacity_shares"]
+__all__ = ["DEADBAND", "MAX_FACTOR", "OBSERVED_SLACK", "bounded_speeds", "capacity_shares"]
 
 DEADBAND = 1.15  # fastest / slowest below this: equal shares (measurement noise)
-MAX_FACTOR = 4
+MAX_FACTOR = 2
+OBSERVED_SLACK = 2.0
+
+
+def bounded_speeds(reported: Mapping[str, float],
+                   observed: Mapping[str, float]) -> dict[str, float]:
+    """What the leader believes of each member's speed: its report, but never more than
+    ``OBSERVED_SLACK`` times what the leader saw (sequences over the time from naming the
+    roster to the contribution's arrival). A member cannot buy the batch by lying; an
+    honest one loses nothing to a slow link within the slack (a head start, taken
+    before the roster, makes the seen speed higher, not lower)."""
+    return {p: min(v, OBSERVED_SLACK * observed[p]) if observed.get(p, 0.0) > 0.0 else v
+            for p, v in reported.items()}
 
 
 def capacity_shares(members: Sequence[str], speeds: Mapping[str, float], batch: int,

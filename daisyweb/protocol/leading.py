@@ -37,7 +37,7 @@ from typing import TYPE_CHECKING
 
 from daisyweb.protocol import wire
 from daisyweb.protocol.actions import Action, Excluded, Send, SendSnapshot
-from daisyweb.protocol.capacity import capacity_shares
+from daisyweb.protocol.capacity import bounded_speeds, capacity_shares
 from daisyweb.protocol.election import Leadership
 from daisyweb.protocol.judge import HaltRun, judge
 from daisyweb.protocol.ledger import InFlight, StepLedger
@@ -66,6 +66,7 @@ class LeaderDuties:
         term: int
         leadership: Leadership
         unit: str
+        _observed: dict[str, float]
         _stop: Callable[[list[Action], int, str, bool], None]
         _finish: Callable[[list[Action], int], None]
         _set_roster: Callable[..., None]
@@ -166,8 +167,8 @@ class LeaderDuties:
         if self.capacity:
             last = self._ledger.committed_shares.get(b - 1, ())
             previous = last if self._ledger.committed.get(b - 1) == members else ()
-            shares = capacity_shares(members, self._hashes.speeds.get(b, {}), self.batch,
-                                     previous)
+            speeds = bounded_speeds(self._hashes.speeds.get(b, {}), self._observed)
+            shares = capacity_shares(members, speeds, self.batch, previous)
         out.append(Send(self.members.others(members), wire.Roster(b, members, shares, self.term)))
         self._set_roster(out, b, members, now, shares)
 

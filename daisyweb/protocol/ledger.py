@@ -42,6 +42,8 @@ class InFlight:
     grads: dict[str, bytes] = field(default_factory=dict)  # sender -> payload as received
     unchecked: set[str] = field(default_factory=set)  # arrived before the roster
     own_sent_at: float | None = None
+    named_at: float | None = None  # when this peer took the roster (the leader: named it)
+    arrived: dict[str, float] = field(default_factory=dict)  # sender -> first direct arrival
     requested: dict[str, float] = field(default_factory=dict)
     computing: bool = False
 

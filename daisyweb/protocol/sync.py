@@ -70,7 +70,7 @@ from daisyweb.protocol.election import Leadership, reaches_majority
 from daisyweb.protocol.hashes import HashBook, HashDuties
 from daisyweb.protocol.influence import clip_factors, squared_norm
 from daisyweb.protocol.leading import LeaderDuties
-from daisyweb.protocol.ledger import Archive, StepLedger
+from daisyweb.protocol.ledger import Archive, InFlight, StepLedger
 from daisyweb.protocol.membership import Membership, successor
 
 __all__ = [
@@ -130,9 +130,12 @@ class StepMachine(LeaderDuties, HashDuties):
         term: int = 0,
         election_timeout: float = 10.0,
         unit: str = "step",
+        inner_steps: int = 1,
     ) -> None:
         self.self_id = self_id
         self.unit = unit  # what one of our steps is, in the lines we write: step or round
+        self.inner_steps = inner_steps  # optimizer steps in one of ours (a round's H)
+        self._observed: dict[str, float] = {}  # leader: member -> speed seen (sequences/s)
         self.version = version  # what this peer speaks (a test hook may change it)
         self.replica = replica
         self.total_steps = total_steps
@@ -236,6 +239,7 @@ class StepMachine(LeaderDuties, HashDuties):
         if not self._accept_gradient(out, step, self.self_id, payload):
             return out
         st.own_sent_at = now
+        st.arrived.setdefault(self.self_id, now)
         others = tuple(p for p in st.roster or () if p != self.self_id)
         if others:
             out.append(Send(others, wire.Gradient(step, self.self_id, payload)))
@@ -262,7 +266,7 @@ class StepMachine(LeaderDuties, HashDuties):
                                                                msg.term)
             self._roster_from(out, peer, msg, now)
         elif isinstance(msg, wire.Gradient):
-            self._on_gradient(out, peer, msg)
+            self._on_gradient(out, peer, msg, now)
         elif isinstance(msg, wire.RepairRequest):
             self._on_repair_request(out, peer, msg, now)
         elif isinstance(msg, wire.Halt):
@@ -512,6 +516,8 @@ class StepMachine(LeaderDuties, HashDuties):
             st.grads = {p: g for p, g in st.grads.items() if p in members}
         st.roster = members
         st.shares = shares
+        if st.named_at is None:
+            st.named_at = now
         self._last_roster = members
         self._had_roster = True
         self._left.difference_update(members)  # named again: members again
@@ -528,7 +534,8 @@ class StepMachine(LeaderDuties, HashDuties):
             mine = shares[members.index(self.self_id)] if shares else 0
             out.append(Compute(step, mine))
 
-    def _on_gradient(self, out: list[Action], peer: str, msg: wire.Gradient) -> None:
+    def _on_gradient(self, out: list[Action], peer: str, msg: wire.Gradient,
+                     now: float = 0.0) -> None:
         relayed = msg.sender != peer
         if relayed and peer != self.leader:
             return  # only the leader repairs
@@ -548,7 +555,8 @@ class StepMachine(LeaderDuties, HashDuties):
             return
         if msg.sender not in st.roster:
             return
-        self._accept_gradient(out, s, msg.sender, msg.payload)
+        if self._accept_gradient(out, s, msg.sender, msg.payload) and not relayed:
+            st.arrived.setdefault(msg.sender, now)
 
     def _accept_gradient(self, out: list[Action], step: int, sender: str, payload: bytes) -> bool:
         """Validate (decode) and store one gradient; halt (state untouched) if it is bad."""
@@ -620,12 +628,27 @@ class StepMachine(LeaderDuties, HashDuties):
             return False
         self._ledger.committed[step] = st.roster
         self._ledger.committed_shares[step] = st.shares
+        if self.is_leader:
+            self._observe_speeds(st)
         self._ledger.forget_before(step, self.history, keep_grads=self.is_leader)
         self._publish_hashes(out)
         wh, ph = self._hashes.own[self.boundary]
         out.append(Commit(step, st.roster, self._losses.pop(step, None), wh, ph, rollback,
                           st.shares, clipped))
         return True
+
+    def _observe_speeds(self, st: InFlight) -> None:
+        """Leader: each member's sequences per second as we saw it, from naming the roster
+        to its contribution's arrival (network included): what capacity shares may
+        believe of a member's own report (``capacity.bounded_speeds``)."""
+        if st.roster is None or st.named_at is None:
+            return
+        for i, p in enumerate(st.roster):
+            arrived = st.arrived.get(p)
+            if arrived is None:
+                continue  # repaired or relayed: no fact about its speed
+            sequences = (st.shares[i] if st.shares else self.batch) * self.inner_steps
+            self._observed[p] = sequences / max(arrived - st.named_at, 1e-3)
 
     def _progress(self, out: list[Action], now: float) -> None:
         """Advance as far as the known facts allow."""

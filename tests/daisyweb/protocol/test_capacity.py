@@ -283,3 +283,47 @@ def test_shares_stay_while_speeds_move_a_little() -> None:
     assert capacity_shares(m, {"a": 300.0, "b": 100.0}, 8, first) == (12, 4)
     # previous shares of another group size are not kept
     assert capacity_shares(("a", "b", "c"), {}, 8, first) == (8, 8, 8)
+
+
+def test_a_report_is_believed_up_to_twice_what_the_leader_saw() -> None:
+    from daisyweb.protocol.capacity import OBSERVED_SLACK, bounded_speeds
+
+    assert bounded_speeds({"a": 100.0, "b": 1e12}, {"a": 80.0, "b": 50.0}) == {
+        "a": 100.0, "b": OBSERVED_SLACK * 50.0}
+    assert bounded_speeds({"a": 100.0}, {}) == {"a": 100.0}  # nothing seen yet: the report
+
+
+def test_a_lied_speed_does_not_buy_the_batch() -> None:
+    """c reports 1e12 sequences/s but computes at 8 a second like the others: before the
+    leader has seen anything, c gets twice the equal share (the cap); once the leader saw
+    how long c's contribution took, c is believed twice what it showed, no more."""
+    from daisyweb.protocol.codec import F32
+
+    peers = ("a", "b", "c")
+    reps = {p: Replica() for p in peers}
+    a = StepMachine("a", reps["a"], 3, lambda: "aa" * 16, leader="a", members=list(peers),
+                    capacity=True, batch=8)
+    a.speed = 8.0
+    a.start(0.0)
+    out: list = []
+    for p, speed in (("b", 8.0), ("c", 1e12)):
+        out += a.message(p, wire.StepHashes(0, p, reps[p].weight_hash(), "aa" * 16, "00",
+                                            speed), 0.0)
+    (first,) = [x.message for x in out if isinstance(x, Send)
+                and isinstance(x.message, wire.Roster)]
+    assert first.shares == (4, 4, MAX_FACTOR * 8)  # the cap: twice the equal share
+    # each contribution arrives when its sequences at 8 a second are done
+    done = {p: n / 8.0 for p, n in zip(peers, first.shares, strict=True)}
+    out = a.local_gradient(0, 1.0, _grad("a", 0, 4), done["a"])
+    for p in ("b", "c"):
+        out += a.message(p, wire.Gradient(0, p, F32.encode(_grad(p, 0, first.shares[1]))),
+                         done[p])
+    (commit,) = [x for x in out if isinstance(x, Commit)]
+    for p, speed in (("b", 8.0), ("c", 1e12)):
+        out += a.message(p, wire.StepHashes(1, p, reps["a"].weight_hash(), "aa" * 16,
+                                            wire.roster_digest(commit.roster, commit.shares),
+                                            speed), 2.0)
+    (roster,) = [x.message for x in out if isinstance(x, Send)
+                 and isinstance(x.message, wire.Roster) and x.message.step == 1]
+    # believed: a 8, b 8, c 2 x 8 = 16 -> 6, 6, 12 of 24
+    assert roster.shares == (6, 6, 12)
