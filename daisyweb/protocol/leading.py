@@ -38,6 +38,7 @@ from typing import TYPE_CHECKING
 from daisyweb.protocol import wire
 from daisyweb.protocol.actions import Action, Excluded, Send, SendSnapshot
 from daisyweb.protocol.capacity import bounded_speeds, capacity_shares
+from daisyweb.protocol.deadline import Deadline
 from daisyweb.protocol.election import Leadership
 from daisyweb.protocol.judge import HaltRun, judge
 from daisyweb.protocol.ledger import InFlight, StepLedger
@@ -67,6 +68,7 @@ class LeaderDuties:
         leadership: Leadership
         unit: str
         _observed: dict[str, float]
+        deadline: Deadline
         _stop: Callable[[list[Action], int, str, bool], None]
         _finish: Callable[[list[Action], int], None]
         _set_roster: Callable[..., None]
@@ -111,7 +113,9 @@ class LeaderDuties:
         elif msg.step == self.boundary and not self.members.alive(msg.sender_of_missing):
             self._amend(out, msg.step, msg.sender_of_missing, now)
 
-    def _amend(self, out: list[Action], step: int, dead: str, now: float) -> None:
+    def _amend(self, out: list[Action], step: int, dead: str, now: float,
+               why: str = "") -> None:
+        """Name ``step``'s roster again without ``dead`` (left, or late: ``why``)."""
         st = self._ledger.get(step)
         if st is None or st.roster is None or dead not in st.roster or dead in st.grads:
             return
@@ -119,11 +123,30 @@ class LeaderDuties:
         if not members:
             return
         shares = _kept_shares(st, members)
-        out.append(Excluded(dead, f"{dead} left before its contribution of {self.unit} "
-                                  f"{step} arrived"))
+        out.append(Excluded(dead, why or f"{dead} left before its contribution of "
+                                         f"{self.unit} {step} arrived"))
         roster = wire.Roster(step, members, shares, self.term)
         out.append(Send(self.members.others(members), roster))
         self._set_roster(out, step, members, now, shares)
+
+    def _enforce_deadline(self, out: list[Action], now: float) -> None:
+        """Leader: leave out of the round in flight each live member whose contribution
+        is later than the deadline (``deadline``); drop one that keeps missing it."""
+        b = self.boundary
+        st = self._ledger.get(b)
+        if st is None or st.roster is None or st.named_at is None:
+            return
+        limit = self.deadline.seconds()
+        if now - st.named_at < limit:
+            return
+        for p in [p for p in st.roster if p not in st.grads and self.members.alive(p)]:
+            if p == self.self_id:
+                continue  # our own comes when it comes: we are the one who waits
+            self._amend(out, b, p, now, f"{p} missed the deadline of {self.unit} {b} "
+                                        f"({limit:.1f} s); left out of it")
+            if self.deadline.missed(p):
+                self._exclude(out, b, p, f"{p} missed the deadline of "
+                                         f"{self.deadline.misses[p]} {self.unit}s in a row")
 
     def _lead(self, out: list[Action], b: int, now: float) -> None:
         st = self._ledger.get(b)

@@ -66,6 +66,7 @@ from daisyweb.protocol.actions import (
 )
 from daisyweb.protocol.averaging import GradientError, average_parts_in_roster_order
 from daisyweb.protocol.codec import F32, Codec, check_payload, decode_parts
+from daisyweb.protocol.deadline import Deadline
 from daisyweb.protocol.election import Leadership, reaches_majority
 from daisyweb.protocol.hashes import HashBook, HashDuties
 from daisyweb.protocol.influence import clip_factors, squared_norm
@@ -136,6 +137,7 @@ class StepMachine(LeaderDuties, HashDuties):
         self.unit = unit  # what one of our steps is, in the lines we write: step or round
         self.inner_steps = inner_steps  # optimizer steps in one of ours (a round's H)
         self._observed: dict[str, float] = {}  # leader: member -> speed seen (sequences/s)
+        self.deadline = Deadline()  # leader: round times, late members
         self.version = version  # what this peer speaks (a test hook may change it)
         self.replica = replica
         self.total_steps = total_steps
@@ -326,6 +328,8 @@ class StepMachine(LeaderDuties, HashDuties):
         if st is not None and st.roster is not None and st.own_sent_at is not None:
             if now - st.own_sent_at >= self.repair_after:
                 self._request_repairs(out, st, now)
+        if self.is_leader:
+            self._enforce_deadline(out, now)
         for p in self.members.expire_joiners(now, self.join_timeout):
             # A joiner that never confirmed its snapshot must not block the group.
             out.append(Excluded(p, f"{p} did not confirm its snapshot in time"))
@@ -629,7 +633,7 @@ class StepMachine(LeaderDuties, HashDuties):
         self._ledger.committed[step] = st.roster
         self._ledger.committed_shares[step] = st.shares
         if self.is_leader:
-            self._observe_speeds(st)
+            self._measure_round(st)
         self._ledger.forget_before(step, self.history, keep_grads=self.is_leader)
         self._publish_hashes(out)
         wh, ph = self._hashes.own[self.boundary]
@@ -637,13 +641,18 @@ class StepMachine(LeaderDuties, HashDuties):
                           st.shares, clipped))
         return True
 
-    def _observe_speeds(self, st: InFlight) -> None:
-        """Leader: each member's sequences per second as we saw it, from naming the roster
-        to its contribution's arrival (network included): what capacity shares may
-        believe of a member's own report (``capacity.bounded_speeds``)."""
+    def _measure_round(self, st: InFlight) -> None:
+        """Leader, at a commit: the round's time (naming the roster to the last arrival:
+        the deadline's sample) and each member's sequences per second as we saw it,
+        network included: what capacity shares may believe of a member's own report
+        (``capacity.bounded_speeds``)."""
         if st.roster is None or st.named_at is None:
             return
+        arrivals = [st.arrived[p] for p in st.roster if p in st.arrived]
+        if len(arrivals) == len(st.roster):
+            self.deadline.record(max(arrivals) - st.named_at)
         for i, p in enumerate(st.roster):
+            self.deadline.made_it(p)
             arrived = st.arrived.get(p)
             if arrived is None:
                 continue  # repaired or relayed: no fact about its speed
