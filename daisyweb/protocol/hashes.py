@@ -31,10 +31,13 @@ class HashBook:
         self.own: dict[int, Hashes] = {}
         # boundary -> peer -> sequences per second it reported (capacity-weighted batches)
         self.speeds: dict[int, dict[str, float]] = {}
+        # boundary -> peer -> digests of the contributions it averaged, in roster order
+        self.digests: dict[int, dict[str, tuple[str, ...]]] = {}
 
     def record(self, b: int, peer: str, weight: str, probe: str, roster_hash: str,
-               speed: float = 0.0) -> None:
+               speed: float = 0.0, digests: tuple[str, ...] = ()) -> None:
         self.seen.setdefault(b, {})[peer] = (weight, probe, roster_hash)
+        self.digests.setdefault(b, {})[peer] = digests
         if speed > 0.0:
             self.speeds.setdefault(b, {})[peer] = speed
 
@@ -48,6 +51,17 @@ class HashBook:
             del self.seen[old]
         for old in [k for k in self.speeds if k < b - 1]:
             del self.speeds[old]
+        for old in [k for k in self.digests if k < b - 1]:
+            del self.digests[old]
+
+    def equivocators(self, b: int, roster: tuple[str, ...], a: str, c: str) -> list[str]:
+        """Members of ``roster`` whose contributions ``a`` and ``c`` averaged differ, by
+        the digests both published at ``b`` (empty if either gave none for it)."""
+        da = self.digests.get(b, {}).get(a, ())
+        dc = self.digests.get(b, {}).get(c, ())
+        if len(da) != len(roster) or len(dc) != len(roster):
+            return []
+        return [p for p, x, y in zip(roster, da, dc, strict=True) if x != y]
 
     def peers_at(self, b: int) -> list[str]:
         return list(self.seen.get(b, {}))
@@ -78,6 +92,7 @@ class HashDuties:
     _ledger: StepLedger
     speed: float  # sequences per second of our last contribution (0: none yet)
     unit: str  # step or round, in the lines we write
+    _averaged: dict[int, tuple[str, ...]]  # boundary -> digests of what we averaged
 
     if TYPE_CHECKING:  # provided by StepMachine
         boundary: int
@@ -92,7 +107,9 @@ class HashDuties:
         speed = min(max(self.speed, 0.0), wire.MAX_SPEED)
         if speed > 0.0:
             self._hashes.speeds.setdefault(b, {})[self.self_id] = speed
-        out.append(Send(None, wire.StepHashes(b, self.self_id, *hashes, rh, speed)))
+        digests = self._averaged.get(b, ())
+        self._hashes.digests.setdefault(b, {})[self.self_id] = digests
+        out.append(Send(None, wire.StepHashes(b, self.self_id, *hashes, rh, speed, digests)))
         for peer in self._hashes.peers_at(b):
             self._check_fork(out, b, peer)
 
@@ -108,7 +125,7 @@ class HashDuties:
         if b < self.boundary - 1 or b > self.boundary + 1:
             return
         self._hashes.record(b, peer, msg.weight_hash, msg.probe_hash, msg.roster_hash,
-                            msg.speed)
+                            msg.speed, msg.digests)
         self._check_fork(out, b, peer)
 
     def _check_fork(self, out: list[Action], b: int, peer: str) -> None:
@@ -122,13 +139,25 @@ class HashDuties:
             return
         theirs = self._valid_hashes(b).get(peer)
         if theirs is not None and theirs[0] != own[0]:
-            self._stop(
-                out,
-                b,
-                f"weight hash mismatch at {self.unit} {b}: {peer} has {theirs[0][:16]}, "
-                f"{self.self_id} has {own[0][:16]}",
-                broadcast=True,
-            )
+            self._stop(out, b, self._fork_reason(b, peer, theirs[0], own[0]), broadcast=True)
+
+    def _fork_reason(self, b: int, peer: str, theirs: str, own: str) -> str:
+        """Why our weights and ``peer``'s differ at ``b``: a member that sent us two
+        different contributions is named; otherwise the two hashes."""
+        return self._equivocation(b, peer) or (
+            f"weight hash mismatch at {self.unit} {b}: {peer} has {theirs[:16]}, "
+            f"{self.self_id} has {own[:16]}")
+
+    def _equivocation(self, b: int, peer: str) -> str | None:
+        """The members whose contributions to ``b`` we and ``peer`` averaged differ (by
+        the digests both published), named: they sent two members different bytes."""
+        roster = self._ledger.committed.get(b - 1, ())
+        liars = self._hashes.equivocators(b, roster, self.self_id, peer)
+        if not liars:
+            return None
+        return (f"{', '.join(liars)} sent different contributions of {self.unit} {b - 1} "
+                f"to {self.self_id} and {peer} (equivocation): weights differ at "
+                f"{self.unit} {b}")
 
     def _maybe_finish(self, out: list[Action], b: int) -> None:
         have = self._valid_hashes(b)

@@ -69,6 +69,7 @@ class LeaderDuties:
         unit: str
         _observed: dict[str, float]
         deadline: Deadline
+        _equivocation: Callable[[int, str], str | None]
         _stop: Callable[[list[Action], int, str, bool], None]
         _finish: Callable[[list[Action], int], None]
         _set_roster: Callable[..., None]
@@ -207,10 +208,20 @@ class LeaderDuties:
         for ruling in judge(b, self.self_id, have, expected, joiners, self.members.excluded,
                             self.unit):
             if isinstance(ruling, HaltRun):
-                self._stop(out, b, ruling.reason, True)
+                self._stop(out, b, self._attributed(b, have, expected) or ruling.reason, True)
                 return False
             self._exclude(out, b, ruling.peer, ruling.reason)
         return True
+
+    def _attributed(self, b: int, have: dict[str, tuple[str, str]],
+                    expected: list[str]) -> str | None:
+        """A fork at ``b`` that a member's two different contributions explain: why."""
+        own = have[self.self_id][0]
+        for p in expected:
+            reason = self._equivocation(b, p) if have[p][0] != own else None
+            if reason is not None:
+                return reason
+        return None
 
     def _exclude(self, out: list[Action], b: int, peer: str, reason: str) -> None:
         self.members.exclude(peer)

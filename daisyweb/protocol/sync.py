@@ -138,6 +138,7 @@ class StepMachine(LeaderDuties, HashDuties):
         self.inner_steps = inner_steps  # optimizer steps in one of ours (a round's H)
         self._observed: dict[str, float] = {}  # leader: member -> speed seen (sequences/s)
         self.deadline = Deadline()  # leader: round times, late members
+        self._averaged: dict[int, tuple[str, ...]] = {}  # boundary -> digests we averaged
         self.version = version  # what this peer speaks (a test hook may change it)
         self.replica = replica
         self.total_steps = total_steps
@@ -632,6 +633,7 @@ class StepMachine(LeaderDuties, HashDuties):
             return False
         self._ledger.committed[step] = st.roster
         self._ledger.committed_shares[step] = st.shares
+        self._averaged = {step + 1: tuple(wire.payload_digest(st.grads[p]) for p in st.roster)}
         if self.is_leader:
             self._measure_round(st)
         self._ledger.forget_before(step, self.history, keep_grads=self.is_leader)

@@ -51,7 +51,8 @@ __all__ = [
 
 # 2: Config carries sync_every, codec, outer_lr; 3: Following; 4: Config carries overlap;
 # 5: Heartbeat.echo, Roster.shares and StepHashes.speed (capacity-weighted batches);
-# 6: Following.term and Roster.term (leaders elected by a majority, one per term)
+# 6: Following.term and Roster.term (leaders elected by a majority, one per term),
+# StepHashes.digests (who sent different contributions to different members)
 PROTOCOL_VERSION = 6
 
 # Limits. Generous for the project's models, small enough that a hostile peer
@@ -67,6 +68,7 @@ MAX_STEP = (1 << 63) - 1  # steps fit a signed 64-bit int everywhere
 MAX_DIM = 1 << 31
 MAX_SHARE = 1 << 20  # sequences one member may be given in one step
 MAX_SPEED = 1e12  # sequences per second a member may report
+DIGEST_BYTES = 16  # of a contribution's digest in StepHashes (collisions cost 2**64 work)
 
 
 class WireError(ValueError):
@@ -220,6 +222,19 @@ def _members(t: str, name: str, v: Any) -> tuple[str, ...]:
     if len(set(out)) != len(out):
         raise _fail(t, name, "duplicate member")
     return out
+
+
+def _digests(t: str, name: str, v: Any) -> tuple[str, ...]:
+    if type(v) not in (list, tuple):
+        raise _fail(t, name, f"expected list of str, got {type(v).__name__}")
+    if len(v) > MAX_MEMBERS:
+        raise _fail(t, name, f"at most {MAX_MEMBERS} digests, got {len(v)}")
+    return tuple(_hex(t, f"{name}[{i}]", d) for i, d in enumerate(v))
+
+
+def payload_digest(payload: bytes) -> str:
+    """The short digest of a contribution's bytes that ``StepHashes.digests`` carries."""
+    return hashlib.blake2b(payload, digest_size=DIGEST_BYTES).hexdigest()
 
 
 def _shares(t: str, name: str, v: Any) -> tuple[int, ...]:
@@ -410,6 +425,10 @@ class StepHashes(_Msg):
     # Sequences per second of the sender's last contribution (0: not measured yet): the
     # leader sets the next roster's shares from it (capacity-weighted batches).
     speed: float = 0.0
+    # payload_digest of each roster member's contribution the sender averaged to reach
+    # this boundary, in roster order (empty at a start or snapshot boundary): when two
+    # members' weights differ, the member whose digests differ sent them different bytes.
+    digests: tuple[str, ...] = ()
 
     type: ClassVar[str] = "step_hashes"
     _checks: ClassVar[dict[str, Checker]] = {
@@ -419,6 +438,7 @@ class StepHashes(_Msg):
         "probe_hash": _hex,
         "roster_hash": _hex,
         "speed": _float(0.0, MAX_SPEED),
+        "digests": _digests,
     }
 
 

@@ -107,3 +107,37 @@ def test_huge_finite_scales_cannot_poison_the_mean(codec) -> None:
                                          size, (), factors)
     assert np.isfinite(mean).all() and float(np.abs(mean).max()) < 10.0
     assert factors[1] is not None and factors[0] is None and factors[2] is None
+
+
+class EquivocatingBus(Bus):
+    """``c`` sends ``b`` other bytes than everyone else, for step 0."""
+
+    def handle(self, peer: str, actions: list) -> None:
+        from collections import deque
+
+        from daisyweb.protocol import wire
+        from daisyweb.protocol.sync import Send
+
+        rest = []
+        for a in actions:
+            msg = getattr(a, "message", None)
+            if (peer == "c" and isinstance(a, Send) and isinstance(msg, wire.Gradient)
+                    and msg.step == 0):
+                other = wire.Gradient(0, "c", (grad_for("c", 0) * 2).astype("<f4").tobytes())
+                for q in a.to or ():
+                    sent = other if q == "b" else msg
+                    self.queues.setdefault((peer, q), deque()).append(wire.encode(sent))
+                continue
+            rest.append(a)
+        super().handle(peer, rest)
+
+
+def test_equivocation_is_blamed_on_its_sender_by_every_member() -> None:
+    bus = EquivocatingBus(["a", "b", "c"], steps=3)
+    bus.start()
+    bus.run()
+    assert set(bus.stopped) == {"a", "b", "c"}, bus.stopped
+    for p in "ab":
+        reason = bus.stopped[p].reason
+        assert "c sent different contributions of step 0" in reason, reason
+        assert "equivocation" in reason

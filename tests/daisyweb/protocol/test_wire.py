@@ -286,6 +286,16 @@ def test_roster_shares_are_checked(shares: object, why: str) -> None:
                            "shares": shares, "term": 0}))
 
 
+@pytest.mark.parametrize("digests", ["ab", ["AB"], ["xyz1"], [1], ["ab"] * 1025])
+def test_step_hashes_digests_are_checked(digests: object) -> None:
+    good = {"type": "step_hashes", "step": 1, "sender": "a", "weight_hash": H,
+            "probe_hash": "cd" * 8, "roster_hash": "00", "speed": 0.0}
+    msg = decode(_pack({**good, "digests": [wire.payload_digest(b"x"), "ab"]}))
+    assert msg.digests == (wire.payload_digest(b"x"), "ab")  # type: ignore[union-attr]
+    with pytest.raises(WireError):
+        decode(_pack({**good, "digests": digests}))
+
+
 @pytest.mark.parametrize("kind", ["roster", "following"])
 @pytest.mark.parametrize("term", [-1, 1 << 63, 1.0, "1", True, None])
 def test_terms_are_checked(kind: str, term: object) -> None:
@@ -301,7 +311,7 @@ def test_step_hashes_speed_is_checked(speed: object) -> None:
     with pytest.raises(WireError, match="speed"):
         decode(_pack({"type": "step_hashes", "step": 1, "sender": "a",
                            "weight_hash": H, "probe_hash": "cd" * 8, "roster_hash": "00",
-                           "speed": speed}))
+                           "speed": speed, "digests": []}))
 
 
 def test_roster_digest_covers_the_shares() -> None:
