@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import logging
 import os
 import sys
 from collections.abc import Callable, Sequence
@@ -233,18 +234,35 @@ def _use_uvloop() -> None:
     asyncio.set_event_loop_policy(uvloop.EventLoopPolicy())
 
 
+class _CleanLines(logging.Handler):
+    """The library's warnings (the mesh, the signaling client) as the peer's own lines:
+    prefixed, and cleaned like them (``daisyweb.text``: they may quote a peer)."""
+
+    def emit(self, record: logging.LogRecord) -> None:
+        from daisyweb.text import clean
+
+        try:
+            sys.stderr.write(f"{PROG}: {clean(record.getMessage())}\n")
+        except Exception:  # a log line must never end the run
+            self.handleError(record)
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     args = parse_args(argv)
     # Imported late so that flag errors are instant and never pay for numpy/aiortc.
     from daisyweb.peer import PeerError, options_from_args, run_peer
     from daisyweb.peer.memory import tune_malloc
+    from daisyweb.text import clean
 
+    root = logging.getLogger()
+    if not root.handlers:
+        root.addHandler(_CleanLines(logging.WARNING))
     tune_malloc()  # before the big arrays: freed ones go back to the system
     _use_uvloop()
     try:
         return asyncio.run(run_peer(options_from_args(args)))
     except PeerError as exc:
-        sys.stderr.write(f"{PROG}: {exc}\n")
+        sys.stderr.write(f"{PROG}: {clean(exc)}\n")
         return exc.code
     except KeyboardInterrupt:
         sys.stderr.write(f"{PROG}: interrupted\n")

@@ -9,6 +9,7 @@ from dataclasses import dataclass, field
 from urllib.parse import urlsplit, urlunsplit
 
 from daisyweb.net.ice import IceServer
+from daisyweb.text import clean
 
 __all__ = ["PeerError", "PeerOptions", "data_url", "log", "options_from_args",
            "mesh_transport_options"]
@@ -86,8 +87,9 @@ def data_url(server: str) -> str:
 
 
 def log(msg: str) -> None:
-    """One line on stderr, prefixed like every line the peer prints."""
-    print(f"daisyweb-peer: {msg}", file=sys.stderr, flush=True)
+    """One line on stderr, prefixed like every line the peer prints; whatever in it came
+    from outside (a peer's halt reason, an id) cannot reach the terminal raw."""
+    print(f"daisyweb-peer: {clean(msg)}", file=sys.stderr, flush=True)
 
 
 def mesh_transport_options(opts: PeerOptions) -> dict[str, object]:

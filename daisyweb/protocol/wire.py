@@ -18,6 +18,7 @@ from __future__ import annotations
 import hashlib
 import math
 import os
+import re
 import struct
 from collections.abc import Callable
 from dataclasses import dataclass, fields
@@ -109,6 +110,22 @@ def _float(lo: float, hi: float, lo_open: bool = False) -> Checker:
             lb = "(" if lo_open else "["
             raise _fail(t, name, f"{f} out of range {lb}{lo}, {hi}]")
         return f
+
+    return check
+
+
+_ID = re.compile(r"[0-9A-Za-z._:-]*")
+
+
+def _id(min_len: int = 1) -> Checker:
+    """A peer id: letters, digits and ``._:-`` only (it is printed on every terminal)."""
+    base = _str(MAX_ID_LEN, min_len)
+
+    def check(t: str, name: str, v: Any) -> str:
+        v = base(t, name, v)
+        if not _ID.fullmatch(v):
+            raise _fail(t, name, "a peer id has letters, digits and ._:- only")
+        return v
 
     return check
 
@@ -216,7 +233,7 @@ def _members(t: str, name: str, v: Any) -> tuple[str, ...]:
         raise _fail(t, name, f"expected list of str, got {type(v).__name__}")
     if not 1 <= len(v) <= MAX_MEMBERS:
         raise _fail(t, name, f"needs 1..{MAX_MEMBERS} members, got {len(v)}")
-    check_id = _str(MAX_ID_LEN)
+    check_id = _id()
     out = tuple(check_id(t, f"{name}[{i}]", m) for i, m in enumerate(v))
     # Roster order defines the summation order; a repeated peer would double-count.
     if len(set(out)) != len(out):
@@ -245,7 +262,7 @@ def _shares(t: str, name: str, v: Any) -> tuple[int, ...]:
 
 
 _step = _int(0, MAX_STEP)
-_peer = _str(MAX_ID_LEN)
+_peer = _id()
 _dim = _int(1, MAX_DIM)
 
 
@@ -295,7 +312,7 @@ class Following(_Msg):
     term: int = 0
 
     type: ClassVar[str] = "following"
-    _checks: ClassVar[dict[str, Checker]] = {"leader": _str(MAX_ID_LEN, 0),
+    _checks: ClassVar[dict[str, Checker]] = {"leader": _id(0),
                                              "term": _int(0, MAX_STEP)}
 
 
