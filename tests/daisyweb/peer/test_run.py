@@ -133,10 +133,13 @@ class Group:
         d.mkdir(exist_ok=True)
         return d
 
-    def spawn(self, name: str, *args: str, env: dict[str, str] | None = None) -> Peer:
+    def spawn(self, name: str, *args: str, env: dict[str, str] | None = None,
+              module: tuple[str, ...] = ("daisyweb.cli.peer",)) -> Peer:
+        """A peer process; ``module``: what runs it (a hostile member: ``tests.hostile_peer``
+        and its attack)."""
         metrics = self.tmp / f"{name}.jsonl"
         log = self.tmp / f"{name}.log"
-        cmd = [sys.executable, "-m", "daisyweb.cli.peer", "--server", self.server,
+        cmd = [sys.executable, "-m", *module, "--server", self.server,
                "--room", self.room, "--name", name, "--ice-host", "127.0.0.1",
                "--approve", "auto", "--metrics", str(metrics), "--join-timeout", "60",
                *args]
