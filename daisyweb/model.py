@@ -27,32 +27,33 @@ so the backward may use any float32 BLAS; ``init_params`` is bit-identical every
 The model's own reductions (means, sums, softmax) are numpy's, in a fixed order.
 
 Speed: a call allocates no activation. Every activation, cache and backward scratch
-lives in a workspace (``_Work``) kept for the next call with the same config and batch
-shape; ``loss_and_grad(..., out=grad)`` also reuses the gradient. Each buffer is written
-before it is read in every call, so results do not depend on what a workspace held.
-A batch is computed in two fixed halves of rows, on two cores when ``daisyweb.parallel``
-allows it, and the weight gradients over the whole batch afterwards (see "model" below):
-the bits depend on the batch size, never on the core count. A call by halves quantizes
-every linear weight once for both (``kernels.quantize_weight``, int8 in the workspace:
-about one byte per weight) and each half multiplies through
-``kernels.int8_matmul_prepared``: the same bits as quantizing the weight in each half.
+lives in a workspace (``daisyweb.workspace``) kept for the next call with the same config
+and batch shape; ``loss_and_grad(..., out=grad)`` also reuses the gradient. Each buffer is
+written before it is read in every call, so results do not depend on what a workspace
+held. A batch is computed in two fixed halves of rows (``daisyweb.parallel.halves``), on
+two cores when ``daisyweb.parallel`` allows it, and the weight gradients over the whole
+batch afterwards (see "model" below): the bits depend on the batch size, never on the
+core count. A call by halves quantizes every linear weight once for both
+(``kernels.quantize_weight``, int8 in the workspace: about one byte per weight) and each
+half multiplies through ``kernels.int8_matmul_prepared``: the same bits as quantizing the
+weight in each half.
 """
 
 from __future__ import annotations
 
 import functools
 import math
-import mmap
-import threading
 from dataclasses import asdict, dataclass
 from typing import Any
 
 import numpy as np
 
 import kernels
-from daisyweb import parallel
+from daisyweb import parallel, workspace
 from daisyweb.checkpoints.quote import short_repr
+from daisyweb.parallel import Rows
 from daisyweb.rules import DEFAULTS, MAX_LAYERS, MAX_PARAMS, MODEL_FIELDS, check_model
+from daisyweb.workspace import Workspace
 
 __all__ = [
     "ModelConfig",
@@ -314,7 +315,7 @@ def _linear_names(cfg: ModelConfig) -> list[str]:
     return names
 
 
-def _prepare(cfg: ModelConfig, p: dict[str, np.ndarray], mode: _Mode, work: _Work
+def _prepare(cfg: ModelConfig, p: dict[str, np.ndarray], mode: _Mode, work: Workspace
              ) -> _Prepared | None:
     """Every linear weight quantized once for a call computed in two halves (each half
     would otherwise quantize every weight again), the weights dealt to two cores by
@@ -322,142 +323,18 @@ def _prepare(cfg: ModelConfig, p: dict[str, np.ndarray], mode: _Mode, work: _Wor
     if not mode.quantized:
         return None
     prep: _Prepared = {}
-    lists: list[list[str]] = [[], []]
-    load = [0, 0]
     for name in _linear_names(cfg):
         w = p[name]
         prep[name] = (work("wq:" + name, w.shape, dtype=np.int8),
                       work("ws:" + name, (w.shape[1],), dtype=np.float32))
-        k = 0 if load[0] <= load[1] else 1
-        lists[k].append(name)
-        load[k] += w.size
+    first, second = parallel.deal((p[name].size, name) for name in prep)
 
     def run(names: list[str]) -> None:
         for name in names:
             kernels.quantize_weight(p[name], *prep[name])
 
-    parallel.both(lambda: run(lists[0]), lambda: run(lists[1]))
+    parallel.both(lambda: run(first), lambda: run(second))
     return prep
-
-
-_SLAB = 4 << 20  # bytes a workspace maps at a time for its buffers
-_ALIGN = 64  # every buffer starts on a cache line
-# Python maps anonymous memory shared unless told otherwise (POSIX); Windows has no flags
-_PRIVATE = {"flags": mmap.MAP_PRIVATE} if hasattr(mmap, "MAP_PRIVATE") else {}
-
-
-class _Slabs:
-    """Memory for one workspace's buffers, carved from anonymous maps of its own.
-
-    A workspace's ~90 buffers (37 MB at the demo default) used to come from malloc, below
-    the peer's mmap threshold: when a peer's share of the batch changed and a workspace of
-    another shape replaced the old one, the freed blocks stayed in the heap as holes the
-    new shapes did not fit, and resident memory rose by tens of MB with each change
-    (a run with a joiner, docs/limits.md section 1). Maps of its own go back to the
-    system whole once the workspace and every view of it are gone.
-    """
-
-    def __init__(self) -> None:
-        self._maps: list[mmap.mmap] = []
-        self._free = 0  # bytes left at the end of the last map
-
-    def array(self, shape: tuple[int, ...], dtype: np.dtype) -> np.ndarray:
-        count = math.prod(shape)
-        nbytes = max(count * dtype.itemsize, 1)
-        size = -(-nbytes // _ALIGN) * _ALIGN
-        if size > self._free:
-            length = -(-max(size, _SLAB) // mmap.PAGESIZE) * mmap.PAGESIZE
-            self._maps.append(mmap.mmap(-1, length, **_PRIVATE))
-            self._free = length
-        block = self._maps[-1]
-        offset = len(block) - self._free
-        self._free -= size
-        return np.frombuffer(block, dtype, count, offset).reshape(shape)
-
-    def mapped(self) -> int:
-        """Bytes mapped so far."""
-        return sum(len(m) for m in self._maps)
-
-
-class _Work:
-    """Every array one call of the model needs, for one (config, batch shape, dtype).
-
-    A training step allocates nothing big: activations, their caches for the backward
-    and the backward's scratch are these buffers, made on first use (in maps of the
-    workspace's own, :class:`_Slabs`) and reused by the next call with the same key
-    (``_take``/``_give``). Whatever a call reads it wrote first in the same call, so
-    nothing leaks from one call into the next.
-    """
-
-    def __init__(self, key: tuple[Any, ...]) -> None:
-        self.key = key
-        self._bufs: dict[tuple[str, int], np.ndarray] = {}
-        self._slabs = _Slabs()
-        self._causal: np.ndarray | None = None
-        self.dt: np.dtype = key[-1]
-
-    def __call__(self, name: str, shape: tuple[int, ...], layer: int = 0,
-                 dtype: Any = None) -> np.ndarray:
-        buf = self._bufs.get((name, layer))
-        if buf is None:
-            buf = self._bufs[(name, layer)] = self._slabs.array(shape, np.dtype(dtype or self.dt))
-        elif buf.shape != shape:  # two uses of one name: a bug, not a user error
-            raise AssertionError(f"workspace {name} is {buf.shape}, asked for {shape}")
-        return buf
-
-    def causal(self, t: int) -> np.ndarray:
-        """The additive causal mask [t, t]: 0 on and below the diagonal, -inf above (a
-        constant, made once; not one of the buffers a call writes)."""
-        if self._causal is None:
-            bias = np.zeros((t, t), dtype=self.dt)
-            bias[np.triu_indices(t, 1)] = -np.inf
-            bias.flags.writeable = False
-            self._causal = bias
-        return self._causal
-
-    def buffers(self) -> list[np.ndarray]:
-        """Every buffer a call writes (tests poison them to show nothing leaks)."""
-        return list(self._bufs.values())
-
-    def mapped(self) -> int:
-        """Bytes this workspace holds."""
-        return self._slabs.mapped()
-
-
-_POOL_MAX = 2  # idle workspaces kept (training batch + one evaluation shape)
-_pool: list[_Work] = []
-_pool_lock = threading.Lock()
-
-
-def _kind(key: tuple[Any, ...]) -> tuple[Any, ...]:
-    """A workspace key without its batch shape: (config, keep, dtype)."""
-    return key[0], key[2], key[3]
-
-
-def _drop_other_shapes(key: tuple[Any, ...]) -> None:
-    """Forget idle workspaces of ``key``'s kind for another batch shape (lock held): a
-    peer whose share of the batch changed (capacity-weighted rows) would otherwise hold
-    both, about 37 MB each for a training step at the demo default."""
-    _pool[:] = [w for w in _pool if w.key == key or _kind(w.key) != _kind(key)]
-
-
-def _take(key: tuple[Any, ...]) -> _Work:
-    """An idle workspace for ``key`` (a new one if none is idle): one per running call,
-    so calls on several threads never share buffers. A new one replaces the idle ones of
-    its kind for other shapes before it is made, so the two are never held at once."""
-    with _pool_lock:
-        for i in range(len(_pool) - 1, -1, -1):
-            if _pool[i].key == key:
-                return _pool.pop(i)
-        _drop_other_shapes(key)
-    return _Work(key)
-
-
-def _give(work: _Work) -> None:
-    with _pool_lock:
-        _drop_other_shapes(work.key)  # another thread's call may have made one meanwhile
-        _pool.append(work)
-        del _pool[:-_POOL_MAX]
 
 
 def _row_mean(x: np.ndarray, out: np.ndarray) -> None:
@@ -537,25 +414,24 @@ def _gelu_back(da: np.ndarray, u: np.ndarray, t: np.ndarray, s1: np.ndarray,
 
 # --------------------------------------------------------------------------- model
 #
-# A call computes its batch in two halves of rows (``_halves``), in parallel when two
-# cores are allowed. Every buffer of the workspace is full-batch; a half reads and writes
-# only its own rows of it. Row-wise work (forward, loss, the backward's chain of dL/dx)
-# runs per half; the weight gradients, which sum over all rows, run afterwards on the
-# whole batch (``_weight_grads``), one tensor per GEMM. LayerNorm gains and biases are
-# the one exception: their column sums are taken per half and added, first half first.
+# A call computes its batch in two halves of rows (``parallel.halves``), in parallel when
+# two cores are allowed. Every buffer of the workspace is full-batch; a half reads and
+# writes only its own rows of it. Row-wise work (forward, loss, the backward's chain of
+# dL/dx) runs per half; the weight gradients, which sum over all rows, run afterwards on
+# the whole batch (``_weight_grads``), one tensor per GEMM, dealt to two cores by cost
+# (``parallel.deal``). LayerNorm gains and biases are the one exception: their column
+# sums are taken per half and added, first half first.
 
 
-class _Rows:
-    """One half's rows: ``b`` (batch rows) and ``r`` (token rows, [B*T] buffers)."""
-
-    def __init__(self, rows: slice, t: int) -> None:
-        self.b = rows
-        self.r = slice(rows.start * t, rows.stop * t)
-        self.size = rows.stop - rows.start
+def _causal_mask(t: int, dt: np.dtype) -> np.ndarray:
+    """The additive causal mask [t, t]: 0 on and below the diagonal, -inf above."""
+    bias = np.zeros((t, t), dtype=dt)
+    bias[np.triu_indices(t, 1)] = -np.inf
+    return bias
 
 
 def _forward(cfg: ModelConfig, p: dict[str, np.ndarray], tokens: np.ndarray, mode: _Mode,
-             work: _Work, keep: bool, logits: np.ndarray, half: _Rows,
+             work: Workspace, keep: bool, logits: np.ndarray, half: Rows,
              prep: _Prepared | None = None) -> None:
     """Logits of ``half``'s rows into ``logits`` ([half rows * T, vocab]); with ``keep``
     every layer's activations stay in ``work`` for the backward (without, layers share
@@ -574,7 +450,7 @@ def _forward(cfg: ModelConfig, p: dict[str, np.ndarray], tokens: np.ndarray, mod
     tmp = work("tmp", (n, c))[r]
     col = work("col4", (bsz, h, t, 1))[half.b]
     proj = work("proj", (n, c))[r]
-    bias = work.causal(t)
+    bias = work.constant("causal", lambda: _causal_mask(t, mode.dt))
     for i in range(cfg.layers):
         q_ = f"h{i}."
         j = i if keep else 0
@@ -656,7 +532,7 @@ def _scatter_rows(g: np.ndarray, index: np.ndarray, rows: np.ndarray) -> None:
         g[ids[sel]] += ranked[sel]
 
 
-def _ln_grads(work: _Work, g: dict[str, np.ndarray], name: str, k: int, split: bool
+def _ln_grads(work: Workspace, g: dict[str, np.ndarray], name: str, k: int, split: bool
               ) -> tuple[np.ndarray, np.ndarray]:
     """Where half ``k`` puts LayerNorm ``name``'s dg and db: the gradient itself for an
     unsplit batch, else this half's partial sums (added by ``_ln_finish``)."""
@@ -667,7 +543,7 @@ def _ln_grads(work: _Work, g: dict[str, np.ndarray], name: str, k: int, split: b
     return part[k, 0], part[k, 1]
 
 
-def _ln_finish(work: _Work, g: dict[str, np.ndarray], name: str) -> None:
+def _ln_finish(work: Workspace, g: dict[str, np.ndarray], name: str) -> None:
     part = work("ln:" + name, (2, 2, g[name + ".g"].size))
     np.add(part[0, 0], part[1, 0], out=g[name + ".g"])
     np.add(part[0, 1], part[1, 1], out=g[name + ".b"])
@@ -678,7 +554,7 @@ def _ln_names(cfg: ModelConfig) -> list[str]:
 
 
 def _backward_rows(cfg: ModelConfig, p: dict[str, np.ndarray], g: dict[str, np.ndarray],
-                   bsz: int, t: int, dlogits: np.ndarray, work: _Work, half: _Rows, k: int,
+                   bsz: int, t: int, dlogits: np.ndarray, work: Workspace, half: Rows, k: int,
                    split: bool) -> None:
     """The chain of dL/dx for ``half``'s rows, from its dlogits rows down to the
     embeddings. Keeps what the weight gradients need per layer: dL/d(MLP output) in
@@ -737,7 +613,7 @@ def _backward_rows(cfg: ModelConfig, p: dict[str, np.ndarray], g: dict[str, np.n
         np.add(dxa, dh, out=work("dxm", (n, c), i - 1)[r] if i else work("dxe", (n, c))[r])
 
 
-def _weight_jobs(cfg: ModelConfig, g: dict[str, np.ndarray], work: _Work, n: int,
+def _weight_jobs(cfg: ModelConfig, g: dict[str, np.ndarray], work: Workspace, n: int,
                  dlogits: np.ndarray) -> list[tuple[int, Any]]:
     """(cost, job) for every whole-batch weight and bias gradient."""
     c = cfg.width
@@ -768,17 +644,12 @@ def _weight_jobs(cfg: ModelConfig, g: dict[str, np.ndarray], work: _Work, n: int
 
 
 def _weight_grads(cfg: ModelConfig, g: dict[str, np.ndarray], tokens: np.ndarray,
-                  work: _Work, dlogits: np.ndarray, split: bool) -> None:
+                  work: Workspace, dlogits: np.ndarray, split: bool) -> None:
     """Every gradient that sums over all rows, from what ``_backward_rows`` kept: the
     jobs are dealt to two lists of about equal cost (one per core)."""
     bsz, t = tokens.shape
     n = bsz * t
-    lists: list[list[Any]] = [[], []]
-    load = [0, 0]
-    for cost, job in _weight_jobs(cfg, g, work, n, dlogits):
-        k = 0 if load[0] <= load[1] else 1
-        lists[k].append(job)
-        load[k] += cost
+    first, second = parallel.deal(_weight_jobs(cfg, g, work, n, dlogits))
 
     def embeddings() -> None:
         dxe = work("dxe", (n, cfg.width))
@@ -790,47 +661,29 @@ def _weight_grads(cfg: ModelConfig, g: dict[str, np.ndarray], tokens: np.ndarray
             for name in _ln_names(cfg):
                 _ln_finish(work, g, name)
 
-    lists[1].append(embeddings)
-    parallel.both(lambda: [job() for job in lists[0]], lambda: [job() for job in lists[1]])
+    second.append(embeddings)
+    parallel.both(lambda: [job() for job in first], lambda: [job() for job in second])
 
 
 # --------------------------------------------------------------------------- API
 
-def _work_key(cfg: ModelConfig, tokens: np.ndarray, mode: _Mode, keep: bool
-              ) -> tuple[Any, ...]:
-    return (cfg, tokens.shape, keep, mode.dt)
+def _take(cfg: ModelConfig, tokens: np.ndarray, mode: _Mode, keep: bool) -> Workspace:
+    """The workspace of one call: one kind per (config, whether it keeps every layer's
+    activations for the backward)."""
+    return workspace.take((cfg, keep), tokens.shape, mode.dt)
 
 
-def _halves(bsz: int) -> list[slice]:
-    """The batch rows of each half a call is computed in: fixed by the batch size alone
-    (never by the core count), so the bits do not depend on how many cores ran it."""
-    if bsz < 2:
-        return [slice(0, bsz)]
-    mid = (bsz + 1) // 2
-    return [slice(0, mid), slice(mid, bsz)]
-
-
-def _in_halves(tokens: np.ndarray, body: Any) -> None:
-    """``body(half index, _Rows)`` for each half, in parallel when two cores are allowed
-    (``daisyweb.parallel``)."""
-    t = tokens.shape[1]
-    parts = [_Rows(rows, t) for rows in _halves(tokens.shape[0])]
-    if len(parts) == 1:
-        body(0, parts[0])
-    else:
-        parallel.both(lambda: body(0, parts[0]), lambda: body(1, parts[1]))
-
-
-def _forward_rows(cfg: ModelConfig, p: dict[str, np.ndarray], mode: _Mode, work: _Work,
+def _forward_rows(cfg: ModelConfig, p: dict[str, np.ndarray], mode: _Mode, work: Workspace,
                   tokens: np.ndarray, body: Any) -> None:
-    """``body(half index, _Rows, prepared weights)`` over the whole batch at once where
-    :func:`_whole_forward` allows, else by halves (:func:`_in_halves`) sharing the
+    """``body(half index, Rows, prepared weights)`` over the whole batch at once where
+    :func:`_whole_forward` allows, else by halves (``parallel.in_halves``) sharing the
     weights quantized once (:func:`_prepare`)."""
+    bsz, t = tokens.shape
     if _whole_forward(mode):
-        body(0, _Rows(slice(0, tokens.shape[0]), tokens.shape[1]), None)
+        body(0, Rows(slice(0, bsz), t), None)
         return
-    prep = _prepare(cfg, p, mode, work) if len(_halves(tokens.shape[0])) > 1 else None
-    _in_halves(tokens, lambda k, half: body(k, half, prep))
+    prep = _prepare(cfg, p, mode, work) if len(parallel.halves(bsz)) > 1 else None
+    parallel.in_halves(bsz, t, lambda k, half: body(k, half, prep))
 
 
 def _whole_forward(mode: _Mode) -> bool:
@@ -851,15 +704,15 @@ def forward(cfg: ModelConfig, params: np.ndarray, tokens: np.ndarray, *,
     bsz, t = tokens.shape
     logits = np.empty((bsz * t, cfg.vocab), mode.dt)  # the caller's: fresh
     p = views(cfg, flat)
-    work = _take(_work_key(cfg, tokens, mode, False))
+    work = _take(cfg, tokens, mode, False)
 
-    def body(_: int, half: _Rows, prep: _Prepared | None) -> None:
+    def body(_: int, half: Rows, prep: _Prepared | None) -> None:
         _forward(cfg, p, tokens, mode, work, False, logits[half.r], half, prep)
 
     try:
         _forward_rows(cfg, p, mode, work, tokens, body)
     finally:
-        _give(work)
+        workspace.give(work)
     return logits.reshape(bsz, t, cfg.vocab)
 
 
@@ -898,13 +751,13 @@ def loss_and_grad(cfg: ModelConfig, params: np.ndarray, batch: np.ndarray, *,
     grad = np.empty(flat.size, mode.dt) if out is None else _check_out(out, flat, mode.dt)
     p, g = views(cfg, flat), views(cfg, grad)
     bsz, t = inputs.shape
-    split = len(_halves(bsz)) > 1
+    split = len(parallel.halves(bsz)) > 1
     nll = np.empty(targets.size, mode.dt)
-    work = _take(_work_key(cfg, inputs, mode, True))
+    work = _take(cfg, inputs, mode, True)
     try:
         logits = work("logits", (targets.size, cfg.vocab))
 
-        def forward_rows(half: _Rows, prep: _Prepared | None) -> None:
+        def forward_rows(half: Rows, prep: _Prepared | None) -> None:
             lg = logits[half.r]
             _forward(cfg, p, inputs, mode, work, True, lg, half, prep)
             _cross_entropy(lg, targets[half.r], True, targets.size, nll[half.r])
@@ -912,19 +765,19 @@ def loss_and_grad(cfg: ModelConfig, params: np.ndarray, batch: np.ndarray, *,
         whole = _whole_forward(mode)
         prep = None
         if whole:
-            forward_rows(_Rows(slice(0, bsz), t), None)
+            forward_rows(Rows(slice(0, bsz), t), None)
         elif split:
             prep = _prepare(cfg, p, mode, work)
 
-        def body(k: int, half: _Rows) -> None:
+        def body(k: int, half: Rows) -> None:
             if not whole:
                 forward_rows(half, prep)
             _backward_rows(cfg, p, g, bsz, t, logits[half.r], work, half, k, split)
 
-        _in_halves(inputs, body)
+        parallel.in_halves(bsz, t, body)
         _weight_grads(cfg, g, inputs, work, logits, split)
     finally:
-        _give(work)
+        workspace.give(work)
     return float(np.mean(nll, dtype=np.float64)), grad
 
 
@@ -937,16 +790,16 @@ def loss_only(cfg: ModelConfig, params: np.ndarray, batch: np.ndarray, *,
     p = views(cfg, flat)
     bsz, t = inputs.shape
     nll = np.empty(targets.size, mode.dt)
-    work = _take(_work_key(cfg, inputs, mode, False))
+    work = _take(cfg, inputs, mode, False)
     try:
         logits = work("logits", (targets.size, cfg.vocab))
 
-        def body(_: int, half: _Rows, prep: _Prepared | None) -> None:
+        def body(_: int, half: Rows, prep: _Prepared | None) -> None:
             lg = logits[half.r]
             _forward(cfg, p, inputs, mode, work, False, lg, half, prep)
             _cross_entropy(lg, targets[half.r], False, targets.size, nll[half.r])
 
         _forward_rows(cfg, p, mode, work, inputs, body)
     finally:
-        _give(work)
+        workspace.give(work)
     return float(np.mean(nll, dtype=np.float64))

@@ -1,20 +1,21 @@
 """Two cores for one training step, without changing a bit of what it computes.
 
-The model splits every batch into two fixed halves (by the batch size alone) and the
-optimizer its buffer into two fixed ranges. With one core allowed the halves run one
-after the other; with two, the second runs on one helper thread while the caller runs
-the first, the helper kept on one CPU of the process's set and the caller held on another
-while the halves run (Linux otherwise woke both on one CPU after they slept). Either way
-each half computes the same operations on the same data, so the result is the same bytes
+The model splits every batch into two fixed halves (:func:`halves`, by the batch size
+alone) and deals its whole-batch jobs to two lists (:func:`deal`); the optimizer splits
+its buffer into two fixed ranges. With one core allowed the two parts run one after the
+other; with two, the second runs on one helper thread while the caller runs the first,
+the helper kept on one CPU of the process's set and the caller held on another while the
+parts run (after both threads slept, Linux may wake them on one CPU). Either way each
+part computes the same operations on the same data, so the result is the same bytes
 whatever the core count.
 
 The core count comes from ``DAISYWEB_THREADS``, else ``OPENBLAS_NUM_THREADS``, else
 ``OMP_NUM_THREADS``, else the CPUs this process may use, capped at 2; ``set_cores``
 changes it. Whatever the count, OpenBLAS is asked for one thread per call: with two
 cores its own workers would contend with the helper thread for them, with one it is
-the one core asked for; and then no product's bits depend on how OpenBLAS would split
-a GEMM over its threads (with the Zen kernel set, ``daisyweb.blascore``, some float
-GEMMs came out differently at one and at two BLAS threads).
+the one core asked for; and then no product's bits depend on how OpenBLAS splits a GEMM
+over its threads (with the Zen kernel set, ``daisyweb.blascore``, some float GEMMs round
+differently at one and at two BLAS threads).
 """
 
 from __future__ import annotations
@@ -23,12 +24,15 @@ import ctypes
 import glob
 import os
 import threading
-from collections.abc import Callable
-from typing import Any
+from collections.abc import Callable, Iterable
+from typing import Any, TypeVar
 
 import numpy as np
 
-__all__ = ["blas_core", "both", "cores", "set_cores"]
+__all__ = ["Rows", "blas_core", "both", "cores", "deal", "halves", "in_halves",
+           "set_cores"]
+
+_T = TypeVar("_T")
 
 _ENV = ("DAISYWEB_THREADS", "OPENBLAS_NUM_THREADS", "OMP_NUM_THREADS")
 
@@ -88,7 +92,7 @@ class _Helper:
     """One helper thread that runs the second half of a ``both`` call.
 
     A hand-off is two plain locks (the caller releases ``go``, the helper releases
-    ``done``): a ThreadPoolExecutor's futures and conditions held the GIL several
+    ``done``): a ThreadPoolExecutor's futures and conditions hold the GIL several
     times longer per call, and a step makes a few of these calls. ``busy`` keeps a
     second caller (another thread) from sharing the helper: that one runs in turn.
     """
@@ -125,10 +129,10 @@ class _Helper:
         """``first`` here and ``second`` on the helper; the caller holds ``busy``.
 
         While the halves run, the caller is held on the one CPU and the helper stays on
-        the other: after both threads slept (a peer waiting on the network), Linux woke
-        them on one CPU and the halves ran in turn until it moved one, 43 ms for the
-        first step after 0.4 s idle instead of 25 (the one-core time). The caller gets
-        its own CPUs back after the call. Which CPU runs a thread changes no bit."""
+        the other: after both threads slept (a peer waiting on the network), Linux may
+        wake them on one CPU, and the halves then run in turn until it moves one, at the
+        speed of one core. The caller gets its own CPUs back after the call. Which CPU
+        runs a thread changes no bit."""
         held = None
         if self.places is not None:
             held = os.sched_getaffinity(0)
@@ -200,3 +204,44 @@ def both(first: Callable[[], Any], second: Callable[[], Any]) -> None:
         helper.run(first, second)
     finally:
         helper.busy.release()
+
+
+class Rows:
+    """One half's rows: ``b`` (batch rows), ``r`` (token rows of a [B*T] buffer) and
+    ``size`` (how many batch rows)."""
+
+    def __init__(self, rows: slice, t: int) -> None:
+        self.b = rows
+        self.r = slice(rows.start * t, rows.stop * t)
+        self.size = rows.stop - rows.start
+
+
+def halves(bsz: int) -> list[slice]:
+    """The batch rows of each half a call is computed in: fixed by the batch size alone
+    (never by the core count), so the bits do not depend on how many cores ran it."""
+    if bsz < 2:
+        return [slice(0, bsz)]
+    mid = (bsz + 1) // 2
+    return [slice(0, mid), slice(mid, bsz)]
+
+
+def in_halves(bsz: int, t: int, body: Callable[[int, Rows], Any]) -> None:
+    """``body(half index, Rows)`` for each half of a [bsz, t] batch, through :func:`both`
+    when there are two."""
+    parts = [Rows(rows, t) for rows in halves(bsz)]
+    if len(parts) == 1:
+        body(0, parts[0])
+    else:
+        both(lambda: body(0, parts[0]), lambda: body(1, parts[1]))
+
+
+def deal(costed: Iterable[tuple[int, _T]]) -> tuple[list[_T], list[_T]]:
+    """Items dealt in order to two lists of about equal total cost, one per core: each
+    to the list with the smaller total so far, the first on a tie."""
+    lists: tuple[list[_T], list[_T]] = ([], [])
+    load = [0, 0]
+    for cost, item in costed:
+        k = 0 if load[0] <= load[1] else 1
+        lists[k].append(item)
+        load[k] += cost
+    return lists

@@ -19,7 +19,7 @@ import numpy as np
 import pytest
 
 import kernels
-from daisyweb import model, parallel
+from daisyweb import model, parallel, workspace
 from daisyweb.model import ModelConfig, forward, init_params, loss_and_grad, loss_only, views
 
 SMALL = ModelConfig(vocab=50, width=32, layers=2, heads=4, seq=16)
@@ -231,7 +231,7 @@ def _poison_workspaces() -> int:
     """NaN into every float buffer of every idle workspace, -128 (a value quantization
     never makes) into the int8 ones of the prepared weights; returns how many."""
     count = 0
-    for work in model._pool:
+    for work in workspace._pool:
         for buf in work.buffers():
             buf.fill(np.nan if buf.dtype.kind == "f" else -128)
             count += 1
@@ -328,15 +328,15 @@ def test_a_new_batch_shape_replaces_the_idle_workspace_of_the_old_one() -> None:
     """A peer whose share of the batch changes must not keep a training workspace for
     each shape it ever had (each one is tens of MB at the demo default)."""
     p = init_params(SMALL, 0)
-    model._pool.clear()
+    workspace._pool.clear()
     loss_and_grad(SMALL, p, _batch(SMALL, 4, 16))
     loss_only(SMALL, p, _batch(SMALL, 4, 16))  # another kind: kept beside it
     loss_and_grad(SMALL, p, _batch(SMALL, 3, 16))
-    kinds = sorted((w.key[1], w.key[2]) for w in model._pool)
+    kinds = sorted((w.shape, w.kind[1]) for w in workspace._pool)
     assert kinds == [((3, 16), True), ((4, 16), False)]
     # and the result does not depend on it: the same bits as with a fresh workspace
     g1 = loss_and_grad(SMALL, p, _batch(SMALL, 4, 16, seed=1))[1]
-    model._pool.clear()
+    workspace._pool.clear()
     assert g1.tobytes() == loss_and_grad(SMALL, p, _batch(SMALL, 4, 16, seed=1))[1].tobytes()
 
 
@@ -344,25 +344,25 @@ def test_a_new_batch_shape_is_made_only_after_the_old_idle_workspace_is_gone(
         monkeypatch: pytest.MonkeyPatch) -> None:
     """Dropped after the call with the new shape would still hold both during it."""
     p = init_params(SMALL, 0)
-    model._pool.clear()
+    workspace._pool.clear()
     loss_and_grad(SMALL, p, _batch(SMALL, 4, 16))
     held: list[list[tuple[Any, ...]]] = []
-    made = model._Work.__init__
+    made = workspace.Workspace.__init__
 
-    def spy(self: model._Work, key: tuple[Any, ...]) -> None:
-        held.append([w.key for w in model._pool])
-        made(self, key)
+    def spy(self: workspace.Workspace, *args: Any) -> None:
+        held.append([w.key for w in workspace._pool])
+        made(self, *args)
 
-    monkeypatch.setattr(model._Work, "__init__", spy)
+    monkeypatch.setattr(workspace.Workspace, "__init__", spy)
     loss_and_grad(SMALL, p, _batch(SMALL, 3, 16))
     assert len(held) == 1 and held[0] == []
 
 
 def test_workspace_buffers_do_not_overlap_and_start_on_cache_lines() -> None:
     p = init_params(MID, 0)
-    model._pool.clear()
+    workspace._pool.clear()
     loss_and_grad(MID, p, _batch(MID, 5, 12))
-    (work,) = model._pool
+    (work,) = workspace._pool
     spans = sorted((b.__array_interface__["data"][0], b.nbytes) for b in work.buffers())
     assert all(start % 64 == 0 for start, _ in spans)
     assert all(a + n <= b for (a, n), (b, _) in zip(spans, spans[1:], strict=False))
@@ -372,7 +372,7 @@ def test_workspace_buffers_do_not_overlap_and_start_on_cache_lines() -> None:
 RETURNED = """
 import gc
 import numpy as np
-from daisyweb import model
+from daisyweb import model, workspace
 from daisyweb.peer.memory import keep_step_buffers, tune_malloc
 def anon():
     for line in open("/proc/self/status"):
@@ -384,11 +384,11 @@ assert tune_malloc() and keep_step_buffers(params.size)  # as a peer runs
 batch = np.random.default_rng(0).integers(0, cfg.vocab, size=(8, cfg.seq + 1))
 grad = np.empty_like(params)
 model.loss_and_grad(cfg, params, batch, out=grad)
-(work,) = model._pool
+(work,) = workspace._pool
 size = sum(b.nbytes for b in work.buffers())
 before = anon()
 del work
-model._pool.clear()
+workspace._pool.clear()
 gc.collect()
 print(size, before - anon())
 """
@@ -438,9 +438,9 @@ def test_scatter_rows_is_add_at_bit_for_bit(repeats: int) -> None:
 
 
 def test_halves_depend_on_the_batch_size_only() -> None:
-    assert model._halves(1) == [slice(0, 1)]
-    assert model._halves(8) == [slice(0, 4), slice(4, 8)]
-    assert model._halves(5) == [slice(0, 3), slice(3, 5)]
+    assert parallel.halves(1) == [slice(0, 1)]
+    assert parallel.halves(8) == [slice(0, 4), slice(4, 8)]
+    assert parallel.halves(5) == [slice(0, 3), slice(3, 5)]
 
 
 def test_parallel_both_runs_everything_and_reraises() -> None:
