@@ -5,6 +5,8 @@ from __future__ import annotations
 import sys
 from pathlib import Path
 
+import numpy as np
+
 from daisyweb.checkpoints.checkpoint import (
     Checkpoint,
     CheckpointError,
@@ -14,6 +16,15 @@ from daisyweb.checkpoints.checkpoint import (
 from daisyweb.data import default_tokenizer
 
 __all__ = ["open_checkpoint"]
+
+
+def damaged(prog: str, path: str, ckpt: Checkpoint, exc: Exception) -> int:
+    """One line for a checkpoint whose forward pass overflows (its weights are finite but
+    absurd: what a poisoned group once saved); exit code 1."""
+    big = float(np.abs(ckpt.params).max()) if ckpt.params.size else 0.0
+    print(f"{prog}: cannot use {path}: its forward pass overflows (largest |weight| "
+          f"{big:.3g}: the weights are damaged): {exc}", file=sys.stderr)
+    return 1
 
 
 def open_checkpoint(prog: str, path: str) -> Checkpoint | None:

@@ -10,13 +10,14 @@ from __future__ import annotations
 import argparse
 import math
 import sys
+import warnings
 from collections.abc import Sequence
 from dataclasses import dataclass
 
 from daisyweb.checkpoints.checkpoint import (
     Checkpoint,
 )
-from daisyweb.cli.common import open_checkpoint
+from daisyweb.cli.common import damaged, open_checkpoint
 from daisyweb.data import heldout_tokens
 from daisyweb.training.evaluate import (
     DEFAULT_BATCH,
@@ -25,6 +26,7 @@ from daisyweb.training.evaluate import (
     heldout_loss,
     max_batches,
 )
+from kernels import NonFiniteError
 
 MAX_BATCHES = 10_000
 
@@ -80,7 +82,12 @@ def main(argv: Sequence[str] | None = None) -> int:
               f"at seq {ckpt.model.seq}: at most {fit} batches of {DEFAULT_BATCH} windows "
               f"({heldout_tokens().size} tokens)", file=sys.stderr)
         return 2
-    ev = evaluate_checkpoint(ckpt, args.batches)
+    try:
+        with warnings.catch_warnings():  # an overflow is refused below, in one line
+            warnings.simplefilter("ignore", RuntimeWarning)
+            ev = evaluate_checkpoint(ckpt, args.batches)
+    except (NonFiniteError, FloatingPointError) as exc:
+        return damaged("daisyweb-eval", args.checkpoint, ckpt, exc)
     print(f"{args.checkpoint}: step {ev.step}, held-out loss {ev.loss:.6f}, "
           f"perplexity {ev.perplexity:.2f} ({ev.tokens} tokens: {ev.batches} batches of "
           f"{ev.batch} x {ev.seq})")

@@ -4,13 +4,15 @@ from __future__ import annotations
 
 import argparse
 import sys
+import warnings
 from collections.abc import Sequence
 
 import numpy as np
 
-from daisyweb.cli.common import open_checkpoint
+from daisyweb.cli.common import damaged, open_checkpoint
 from daisyweb.data import Tokenizer, default_tokenizer
 from daisyweb.model import ModelConfig, forward
+from kernels import NonFiniteError
 
 
 def sample_tokens(model: ModelConfig, params: np.ndarray, prompt: np.ndarray, *,
@@ -64,8 +66,13 @@ def main(argv: Sequence[str] | None = None) -> int:
     if prompt.size == 0:
         # An empty prompt still needs one token to condition on: a newline.
         prompt = tok.encode("\n")
-    new = sample_tokens(ckpt.model, ckpt.params, prompt, tokens=args.tokens,
-                        temperature=args.temperature, seed=args.seed)
+    try:
+        with warnings.catch_warnings():  # an overflow is refused below, in one line
+            warnings.simplefilter("ignore", RuntimeWarning)
+            new = sample_tokens(ckpt.model, ckpt.params, prompt, tokens=args.tokens,
+                                temperature=args.temperature, seed=args.seed)
+    except (NonFiniteError, FloatingPointError) as exc:
+        return damaged("daisyweb-generate", args.checkpoint, ckpt, exc)
     sys.stdout.write(args.prompt + tok.decode(new) + "\n")
     return 0
 

@@ -28,7 +28,8 @@ __all__ = ["CHUNK", "CLIP_FACTOR", "clip_factors", "squared_norm", "tree_sum"]
 CHUNK = 1 << 16
 CLIP_FACTOR = 2.0
 """A contribution's norm may be at most this many times the round's (lower) median
-norm: honest round deltas of one round are alike in size (``docs/limits.md``)."""
+norm: honest round deltas of one round are alike in size, so an honest group is never
+clipped (TEST_RESULTS.md, bench:influence: 0 of 57 honest contributions)."""
 
 
 def tree_sum(values: np.ndarray) -> float:

@@ -138,3 +138,22 @@ def test_more_batches_than_the_heldout_text_holds(checkpoints) -> None:
 def test_script_is_installed_by_pyproject() -> None:
     text = (Path(__file__).resolve().parents[3] / "pyproject.toml").read_text()
     assert 'daisyweb-eval = "daisyweb.cli.eval:main"' in text
+
+
+@pytest.mark.parametrize("command", ["eval", "generate"])
+def test_damaged_weights_are_one_line_not_a_traceback(tmp_path, command) -> None:
+    """Finite but absurd weights (what a poisoned group once saved: max |w| 1.5e36) make
+    the forward pass overflow: both commands say so in one line, exit 1."""
+    from daisyweb.checkpoints.checkpoint import TokenizerInfo
+
+    tok = default_tokenizer()
+    state = TrainState.fresh(run_config(tok.vocab_size, steps=4, lr=1e-2, **TINY))
+    state.params[:] = 1.5e36
+    bad = tmp_path / "damaged.pt"
+    save_checkpoint(bad, state.checkpoint(TokenizerInfo(tok.vocab_size, tok.file_hash)))
+    extra = ["--prompt", "And", "--tokens", "3"] if command == "generate" else []
+    p = subprocess.run([sys.executable, "-m", f"daisyweb.cli.{command}", str(bad), *extra],
+                       capture_output=True, text=True, timeout=120)
+    assert p.returncode == 1, p.stderr
+    assert p.stderr.count("\n") == 1 and "Traceback" not in p.stderr
+    assert "forward pass overflows" in p.stderr and "1.5e+36" in p.stderr
