@@ -10,6 +10,7 @@ from urllib.parse import urlsplit
 
 from aiohttp import web
 
+from .guard import MAX_CONNECTIONS_PER_ADDRESS, connection_limit, run_app
 from .hubdata import DEFAULT_DATASET, DatasetSpec, check_name
 from .server import MAX_PER_ADDRESS, create_app
 
@@ -53,6 +54,17 @@ def build_parser() -> argparse.ArgumentParser:
         help="open WebSocket connections allowed per client address; more are closed "
              f"with a reason (default {MAX_PER_ADDRESS})",
     )
+    p.add_argument(
+        "--max-connections", type=int, default=None, metavar="N",
+        help="TCP connections of any kind the server holds at once; more are answered 503 "
+             f"and closed (default 3/4 of the descriptor limit: {connection_limit()} here)",
+    )
+    p.add_argument(
+        "--max-connections-per-address", type=int, default=MAX_CONNECTIONS_PER_ADDRESS,
+        metavar="N", help="TCP connections of any kind one client address may hold "
+                          f"(default {MAX_CONNECTIONS_PER_ADDRESS}; all of them come from "
+                          "the proxy with --trust-proxy, so none is applied then)",
+    )
     return p
 
 
@@ -66,6 +78,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         parser.error("--heartbeat must be positive")
     if args.max_per_address < 1:
         parser.error(f"--max-per-address must be at least 1, got {args.max_per_address}")
+    if args.max_connections is not None and args.max_connections < 1:
+        parser.error(f"--max-connections must be at least 1, got {args.max_connections}")
+    if args.max_connections_per_address < 1:
+        parser.error("--max-connections-per-address must be at least 1, got "
+                     f"{args.max_connections_per_address}")
     if args.hf_endpoint is not None:
         u = urlsplit(args.hf_endpoint)
         if u.scheme not in ("http", "https") or not u.hostname or u.query or u.fragment:
@@ -112,6 +129,8 @@ def build_app(args: argparse.Namespace, reader: object = None) -> web.Applicatio
         dataset=args.dataset_spec,
         fineweb=reader,
         max_per_address=args.max_per_address,
+        max_connections=args.max_connections,
+        max_connections_per_address=args.max_connections_per_address,
     )
 
 
@@ -153,7 +172,7 @@ def main(argv: list[str] | None = None) -> int:
             sys.stderr.write(f"daisyweb-signal: --dataset: {exc}\n")
             return 2
     try:
-        web.run_app(build_app(args, reader), host=args.host, port=args.port)
+        run_app(build_app(args, reader), host=args.host, port=args.port)
     except OSError as exc:
         # Binding is the only OSError run_app lets out; say which port and what to do.
         if exc.errno == errno.EADDRINUSE:

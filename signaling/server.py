@@ -35,6 +35,16 @@ from aiohttp import WSMsgType, web
 
 from . import protocol
 from .corpus import builtin_slice
+from .guard import (
+    GUARD,
+    IDLE_TIMEOUT,
+    MAX_CONNECTIONS_PER_ADDRESS,
+    WRITE_TIMEOUT,
+    ConnectionGuard,
+    LogLimiter,
+    connection_limit,
+    write_deadline,
+)
 
 log = logging.getLogger("daisyweb.signal")
 
@@ -659,11 +669,21 @@ def create_app(
     rate_per_s: float = RATE_PER_S,
     rate_burst: float = RATE_BURST,
     max_per_address: int = MAX_PER_ADDRESS,
+    max_connections: int | None = None,
+    max_connections_per_address: int = MAX_CONNECTIONS_PER_ADDRESS,
+    write_timeout: float = WRITE_TIMEOUT,
+    idle_timeout: float = IDLE_TIMEOUT,
     **kw: Any,
 ) -> web.Application:
     """``heartbeat``: ping interval in seconds (None: no pings); ``rate_per_s``/``rate_burst``:
     each connection's message token bucket; ``max_per_address``: open WebSockets allowed
-    per client address (more are closed at once). ``data_source="hub"`` (or its old name
+    per client address (more are closed at once). ``max_connections`` (default: 3/4 of
+    the descriptor limit, ``guard.connection_limit``) and ``max_connections_per_address``:
+    TCP connections of any kind the server holds, in all and per address (not per
+    address behind a trusted proxy); ``write_timeout``: seconds a client may leave what
+    the server sends unread; ``idle_timeout``: seconds a connection may wait without a
+    request. The connection caps hold when the app is served by ``guard.Runner`` (the
+    CLI's ``guard.run_app``). ``data_source="hub"`` (or its old name
     ``"fineweb"``): /data reads ``dataset`` (a ``hubdata.DatasetSpec``, default FineWeb-Edu)
     from ``hf_endpoint`` (default the Hub's), falling back to the built-in corpus;
     ``fineweb`` injects a ready reader (the CLI's, prepared at start; tests).
@@ -676,7 +696,24 @@ def create_app(
     if isinstance(max_per_address, bool) or not isinstance(max_per_address, int) or (
             max_per_address < 1):
         raise ValueError(f"max_per_address must be an integer >= 1, not {max_per_address!r}")
-    app = web.Application()
+    if max_connections is None:
+        max_connections = connection_limit()
+    for name, value in (("max_connections", max_connections),
+                        ("max_connections_per_address", max_connections_per_address)):
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            raise ValueError(f"{name} must be an integer >= 1, not {value!r}")
+    if not (write_timeout > 0 and idle_timeout > 0):
+        raise ValueError("write_timeout and idle_timeout must be > 0")
+    guard = ConnectionGuard(max_connections, max_connections_per_address, write_timeout,
+                            per_address=not trust_proxy)
+    limiter = LogLimiter()
+    app = web.Application(middlewares=[write_deadline(write_timeout)],
+                          handler_args={"keepalive_timeout": idle_timeout})
+    app[GUARD] = guard
+    app.on_startup.append(guard.start)
+    app.on_startup.append(limiter.install)
+    app.on_cleanup.append(guard.stop)
+    app.on_cleanup.append(limiter.remove)
     app[REGISTRY] = Registry(max_per_address)
     app[TRUST_PROXY] = trust_proxy
     app[HEARTBEAT] = heartbeat

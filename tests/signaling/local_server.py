@@ -1,6 +1,7 @@
 """A real ``daisyweb-signal`` app on a free 127.0.0.1 port, with a client session: the
 server the signaling tests talk to (started and stopped by each test); and
-:func:`serving`, any aiohttp app on a free 127.0.0.1 port for one block."""
+:func:`serving`, any aiohttp app on a free 127.0.0.1 port for one block. Both serve with
+``signaling.guard.Runner``, as ``daisyweb-signal`` does: the app's connection caps hold."""
 
 from __future__ import annotations
 
@@ -11,6 +12,7 @@ import aiohttp
 from aiohttp import web
 
 from signaling import server
+from signaling.guard import Runner
 from signaling.server import REGISTRY, create_app
 
 
@@ -24,7 +26,7 @@ async def _listen(runner: web.AppRunner) -> str:
 @contextlib.asynccontextmanager
 async def serving(app: web.Application) -> AsyncIterator[str]:
     """``app`` served on a free 127.0.0.1 port while the block runs: its base URL."""
-    runner = web.AppRunner(app)
+    runner = Runner(app)
     await runner.setup()
     try:
         yield await _listen(runner)
@@ -35,7 +37,7 @@ async def serving(app: web.Application) -> AsyncIterator[str]:
 class Server:
     def __init__(self, **kw: object) -> None:
         self.app = create_app(**kw)
-        self.runner = web.AppRunner(self.app)
+        self.runner = Runner(self.app)
 
     async def start(self) -> Server:
         await self.runner.setup()
