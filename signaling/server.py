@@ -24,14 +24,17 @@ import hashlib
 import itertools
 import json
 import logging
+import re
 import secrets
 import time
 from collections import Counter, deque
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
+from urllib.parse import unquote_plus
 
 from aiohttp import WSMsgType, web
+from aiohttp.web_log import AccessLogger
 
 from . import protocol
 from .corpus import builtin_slice
@@ -133,6 +136,9 @@ class Group:
     # Private rooms: the approval mode ("ask"/"auto") its first host set; every later host
     # is told it and applies it, whatever its own --approve says.
     approve: str | None = None
+    # Private rooms: waiting peers whose dashboard decision went to the current host; a
+    # second one (a replay, a second click) is refused, not forwarded.
+    decided: set[str] = field(default_factory=set)
 
     def roster(self) -> list[dict[str, str]]:
         return [{"id": p.id, "name": p.name} for p in self.members.values()]
@@ -304,6 +310,7 @@ async def sync_host_key(group: Group) -> None:
         return
     group.key_holder = group.host
     group.host_key = secrets.token_urlsafe(24) if group.host else None
+    group.decided.clear()  # a new host has decided nothing: it may be asked again
     host = group.members.get(group.host) if group.host else None
     if host is None or group.host_key is None:
         return
@@ -312,6 +319,31 @@ async def sync_host_key(group: Group) -> None:
     if group.approve is not None:
         await _send(host, {"type": "policy", "approve": group.approve})
     await _send(host, {"type": "host_key", "key": group.host_key})
+
+
+# Query parameters that carry a dashboard secret: the host key and a member's key.
+SECRET_PARAMS = frozenset({"key", "member"})
+_QUERY_PARAM = re.compile(r"([?&;])([^=&;\s\"#]+)=([^&;\s\"#]*)")
+
+
+def mask_secrets(text: str) -> str:
+    """``text`` with the value of every ``key=``/``member=`` query parameter hidden,
+    however its name is spelled (``k%65y=`` reaches the server as ``key``)."""
+    def hide(m: re.Match[str]) -> str:
+        if unquote_plus(m.group(2)).lower() in SECRET_PARAMS:
+            return f"{m.group(1)}{m.group(2)}=<hidden>"
+        return m.group(0)
+
+    return _QUERY_PARAM.sub(hide, text)
+
+
+class MaskedAccessLogger(AccessLogger):
+    """aiohttp's access log without the dashboard secrets: the page polls
+    ``/api/rooms/CODE?key=SECRET``, and a log is read by more people than the host."""
+
+    def _format_line(self, request: Any, response: Any, time: float) -> Any:
+        return [(k, mask_secrets(v) if isinstance(v, str) else v)
+                for k, v in super()._format_line(request, response, time)]
 
 
 def key_ok(group: Group, key: object) -> bool:
@@ -575,6 +607,8 @@ async def decide(request: web.Request) -> web.Response:
 
     The server does not admit anyone itself; the host peer receives a `decision` message
     and acts with its own approve/deny, so the host stays the only one who admits peers.
+    One decision per waiting peer goes to a host (409 for another): the host acts on the
+    first, and a replayed request must not reach it again.
     """
     try:
         body = await request.json()
@@ -591,9 +625,13 @@ async def decide(request: web.Request) -> web.Response:
         raise web.HTTPBadRequest(text="id must be a peer id and approve a boolean")
     if pid not in group.waiting:
         raise web.HTTPNotFound(text="no such waiting peer")
+    group.decided &= group.waiting.keys()  # forget peers that are no longer waiting
+    if pid in group.decided:
+        raise web.HTTPConflict(text="a decision for this peer was already sent to the host")
     host = group.members.get(group.host or "")
     if host is None or host.ws.closed:
         raise web.HTTPServiceUnavailable(text="the host is not connected")
+    group.decided.add(pid)
     await _send(host, {"type": "decision", "id": pid, "approve": approve})
     return _no_store(web.json_response({"ok": True, "forwarded": True}))
 
@@ -708,7 +746,8 @@ def create_app(
                             per_address=not trust_proxy)
     limiter = LogLimiter()
     app = web.Application(middlewares=[write_deadline(write_timeout)],
-                          handler_args={"keepalive_timeout": idle_timeout})
+                          handler_args={"keepalive_timeout": idle_timeout,
+                                        "access_log_class": MaskedAccessLogger})
     app[GUARD] = guard
     app.on_startup.append(guard.start)
     app.on_startup.append(limiter.install)

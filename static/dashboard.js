@@ -7,7 +7,7 @@
 const params = new URLSearchParams(location.search);
 const ROOM = params.get("room");
 const GROUP = params.get("group");
-const KEY = params.get("key"); // the host's one-time link secret; only sent to this server
+const KEY = params.get("key"); // the host link's secret (valid while that peer hosts); only sent to this server
 const MEMBER = params.get("member"); // a member's own view secret (not its id)
 const POLL_MS = Math.max(100, Number(params.get("poll")) || 1000);
 const COLORS = ["#1f77b4", "#d62728", "#2ca02c", "#ff7f0e", "#9467bd", "#8c564b", "#e377c2",
@@ -297,6 +297,11 @@ async function decide(peer, approve) {
       headers: { "Content-Type": "application/json" },
       body: JSON.stringify({ key: KEY, id: peer.id, approve }),
     });
+    if (r.status === 409) { // a decision for this peer already went to the host: it stands
+      msg.textContent = "A decision for " + clip(peer.name, MAX_NAME) +
+        " was already sent to the host peer.";
+      return;
+    }
     if (!r.ok) throw new Error(clip(await r.text(), 200) || "HTTP " + r.status);
     msg.textContent = (approve ? "Accept" : "Deny") + " for " + clip(peer.name, MAX_NAME) +
       " sent to the host peer.";

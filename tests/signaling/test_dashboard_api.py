@@ -7,12 +7,17 @@ from __future__ import annotations
 
 import asyncio
 import json
+import logging
 import math
+import socket
+import subprocess
+import sys
 from pathlib import Path
 
 import aiohttp
 import pytest
 from aiohttp import web
+from yarl import URL
 
 from signaling import protocol, server
 from signaling.server import REGISTRY, create_app
@@ -212,17 +217,50 @@ async def test_host_key_rotates_on_handover_and_old_key_refused(srv: Server) -> 
 
 async def test_decide_forwards_to_host_who_then_approves(srv: Server) -> None:
     h, wh, key, g, wg = await room_with_guest(srv, "lab-42")
-    assert await srv.decide("lab-42", {"key": key, "id": wg["id"], "approve": False}) == 200
-    assert await recv(h, "decision") == {"type": "decision", "id": wg["id"], "approve": False}
-    # the decision is only forwarded: the guest is still waiting until the host acts
-    assert wg["id"] in srv.reg.groups[wh["group"]].waiting
-    await none_of(g, "denied")
     assert await srv.decide("lab-42", {"key": key, "id": wg["id"], "approve": True}) == 200
     dec = await recv(h, "decision")
+    assert dec == {"type": "decision", "id": wg["id"], "approve": True}
+    # the decision is only forwarded: the guest is still waiting until the host acts
+    assert wg["id"] in srv.reg.groups[wh["group"]].waiting
+    await none_of(g, "approved")
     await h.send_json({"type": "approve" if dec["approve"] else "deny", "id": dec["id"]})
     await recv(g, "approved")
     await h.close()
     await g.close()
+
+
+async def test_a_decision_reaches_the_host_once_and_a_new_host_may_be_asked(
+        srv: Server) -> None:
+    """A replayed decide request (or a second click, or the other answer) is refused with
+    409 and not forwarded; a host that leaves without acting hands the waiting peer to
+    the next host, whose new key may decide it, once."""
+    h, wh, key1, g, wg = await room_with_guest(srv, "once-only")
+    await h.send_json({"type": "approve", "id": wg["id"]})
+    await recv(g, "approved")
+    third = await srv.ws(room="once-only", name="third")
+    w3 = await recv(third, "welcome")
+    body = {"key": key1, "id": w3["id"], "approve": True}
+    assert await srv.decide("once-only", body) == 200
+    assert await recv(h, "decision") == {"type": "decision", "id": w3["id"], "approve": True}
+    assert await srv.decide("once-only", body) == 409
+    assert await srv.decide("once-only", {**body, "approve": False}) == 409
+    await none_of(h, "decision")
+    await h.close()  # it never acted: the guest hosts now, with a new key
+    key2 = (await recv(g, "host_key"))["key"]
+    assert await srv.decide("once-only", {**body, "key": key2, "approve": False}) == 200
+    assert await recv(g, "decision") == {"type": "decision", "id": w3["id"], "approve": False}
+    assert await srv.decide("once-only", {**body, "key": key2}) == 409
+    await none_of(g, "decision")
+    await g.send_json({"type": "deny", "id": w3["id"]})
+    await recv(third, "denied")
+    # nothing is kept of a peer that no longer waits
+    fourth = await srv.ws(room="once-only", name="fourth")
+    w4 = await recv(fourth, "welcome")
+    assert await srv.decide("once-only", {"key": key2, "id": w4["id"], "approve": True}) == 200
+    assert srv.reg.groups[wh["group"]].decided == {w4["id"]}
+    await g.close()
+    await third.close()
+    await fourth.close()
 
 
 @pytest.mark.parametrize(
@@ -334,3 +372,83 @@ async def test_index_without_static_dir_still_answers(
         assert code == 200 and "signaling server is up" in text
     finally:
         await s.stop()
+
+
+# --- the key is never logged ---------------------------------------------------------
+
+
+def test_mask_secrets_hides_every_spelling_of_the_secret_parameters() -> None:
+    cases = {
+        "GET /api/rooms/lab?key=S3CRET&poll=200 HTTP/1.1":
+            "GET /api/rooms/lab?key=<hidden>&poll=200 HTTP/1.1",
+        "GET /api/rooms/lab?poll=1&member=M3MBER HTTP/1.1":
+            "GET /api/rooms/lab?poll=1&member=<hidden> HTTP/1.1",
+        "GET /api/rooms/lab?k%65y=S3CRET HTTP/1.1": "GET /api/rooms/lab?k%65y=<hidden> HTTP/1.1",
+        "GET /x?KEY=S3CRET;member=M HTTP/1.1": "GET /x?KEY=<hidden>;member=<hidden> HTTP/1.1",
+        "http://host:8787/?room=lab&key=S3CRET": "http://host:8787/?room=lab&key=<hidden>",
+        "GET /x?monkey=1&keys=2 HTTP/1.1": "GET /x?monkey=1&keys=2 HTTP/1.1",
+    }
+    for line, shown in cases.items():
+        assert server.mask_secrets(line) == shown
+
+
+async def test_access_log_records_carry_no_secret(srv: Server,
+                                                  caplog: pytest.LogCaptureFixture) -> None:
+    h, wh, key, g, wg = await room_with_guest(srv, "log-room")
+    with caplog.at_level(logging.INFO, logger="aiohttp.access"):
+        assert (await srv.get("/api/rooms/log-room", key=key))[0] == 200
+        await asyncio.sleep(0.1)
+    lines = [r for r in caplog.records if r.name == "aiohttp.access"]
+    assert lines and "key=<hidden>" in lines[0].getMessage()
+    for r in lines:  # the message and every field a structured handler could print
+        assert key not in r.getMessage() and key not in repr(vars(r))
+    await h.close()
+    await g.close()
+
+
+async def test_the_servers_log_never_shows_a_key(tmp_path: Path) -> None:
+    """``daisyweb-signal`` as run: the dashboard's polls with the host key, a member's
+    key, the key under an encoded name (which the server accepts), a Referer holding
+    the link, and a decision; its stderr shows none of the secrets."""
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "signaling.cli", "--host", "127.0.0.1", "--port", str(port),
+         "--data", "builtin"], cwd=Path(__file__).resolve().parents[2],
+        stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+    url = f"http://127.0.0.1:{port}"
+    try:
+        async with aiohttp.ClientSession() as session:
+            for _ in range(300):
+                assert proc.poll() is None
+                try:
+                    async with session.get(url + "/healthz") as r:
+                        if r.status == 200:
+                            break
+                except aiohttp.ClientConnectionError:
+                    await asyncio.sleep(0.1)
+            h = await session.ws_connect(url + "/ws?room=log-room&name=host")
+            member = (await recv(h, "welcome"))["member_key"]
+            key = (await recv(h, "host_key"))["key"]
+            g = await session.ws_connect(url + "/ws?room=log-room&name=guest")
+            gid = (await recv(g, "welcome"))["id"]
+            base = url + "/api/rooms/log-room"
+            link = f"{url}/?room=log-room&key={key}"
+            for query in (f"?key={key}&poll=200", f"?k%65y={key}", f"?member={member}"):
+                # encoded: sent as written (yarl would make k%65y plain key)
+                async with session.get(URL(base + query, encoded=True),
+                                       headers={"Referer": link}) as r:
+                    assert r.status == 200, query
+            async with session.post(base + "/decide",
+                                    json={"key": key, "id": gid, "approve": True}) as r:
+                assert r.status == 200
+            await h.close()
+            await g.close()
+    finally:
+        proc.terminate()
+        err = (await asyncio.to_thread(proc.communicate, timeout=30))[1].decode()
+    assert err.count("aiohttp.access") >= 5, err
+    assert key not in err and member not in err, err
+    assert "?key=<hidden>&poll=200" in err and "?k%65y=<hidden>" in err
+    assert "?member=<hidden>" in err and "&key=<hidden>" in err  # the Referer
