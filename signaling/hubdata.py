@@ -15,6 +15,7 @@ as before. No token is ever sent: gated and private datasets are refused.
 
 from __future__ import annotations
 
+import logging
 import re
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
@@ -30,7 +31,10 @@ __all__ = [
     "glob_match",
     "list_shards",
     "quoted",
+    "safe_file_name",
 ]
+
+log = logging.getLogger("daisyweb.signal")
 
 FINEWEB_EDU = "HuggingFaceFW/fineweb-edu"
 MAX_NAME_CHARS = 200  # config, split and column names on the command line
@@ -130,6 +134,16 @@ def glob_match(pattern: str, path: str) -> bool:
     return re.fullmatch("".join(out), path) is not None
 
 
+def safe_file_name(name: str) -> bool:
+    """True for a listed file name that can only name a file inside its repo: relative,
+    no empty, ``.`` or ``..`` segment, no backslash or control character. A resolve URL
+    built from ``../../x`` or ``//host/x`` is normalized to another path of the endpoint
+    (``/datasets/x``) or another host."""
+    if not name or not name.isprintable() or "\\" in name:
+        return False
+    return all(part not in ("", ".", "..") for part in name.split("/"))
+
+
 def _patterns(value: Any) -> list[str]:
     if isinstance(value, str):
         return [value]
@@ -189,8 +203,15 @@ def _inferred_split(path: str) -> str | None:
 
 def select_files(spec: DatasetSpec, files: Sequence[str],
                  card: Mapping[str, Any] | None) -> tuple[str, list[str]]:
-    """(config name, sorted parquet files of ``spec``'s config and split) of a repo."""
-    parquet = sorted(f for f in files if f.endswith(".parquet"))
+    """(config name, sorted parquet files of ``spec``'s config and split) of a repo.
+
+    A name that could point outside the repo (:func:`safe_file_name`) is left out, with
+    one warning naming them."""
+    unsafe = [f for f in files if not safe_file_name(f)]
+    if unsafe:
+        log.warning("dataset %s lists %d file names that point outside it, ignored: %s",
+                    spec.repo, len(unsafe), _names(unsafe))
+    parquet = sorted(f for f in files if f.endswith(".parquet") and safe_file_name(f))
     configs = (card or {}).get("configs")
     if isinstance(configs, list) and configs:
         config, data_files = _choose_config(spec, configs)

@@ -49,7 +49,9 @@ the tree it is about to write (a corrupt in-memory checkpoint is refused before 
 reaches disk or the wire) and is deterministic: the same checkpoint always gives the
 same bytes. :func:`save_checkpoint` writes atomically (temp file in the target
 directory, fsync, ``os.replace``, directory fsync), so a crash leaves either the old file
-or the new one, never a torn one.
+or the new one, never a torn one. The temp file is readable by its owner only while it is
+written, and a temp file of the same target left by a process that died mid-save is
+removed by the next save.
 """
 
 from __future__ import annotations
@@ -59,6 +61,7 @@ import io
 import itertools
 import math
 import os
+import re
 import secrets
 from dataclasses import dataclass, fields
 from typing import IO, Any
@@ -568,27 +571,69 @@ def _fsync_dir(directory: str) -> None:
         os.close(fd)
 
 
+def _umask() -> int:
+    # /proc tells it without changing it: os.umask() sets it for every thread at once.
+    with contextlib.suppress(OSError, ValueError), open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith("Umask:"):
+                return int(line.split()[1], 8)
+    mask = os.umask(0o022)
+    os.umask(mask)
+    return mask
+
+
+def _pid_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except OSError:  # EPERM: alive, another user's
+        return True
+    return True
+
+
+def _remove_stale_temps(directory: str, base: str) -> None:
+    """Unlink the temp files of ``base`` that processes which no longer run left behind
+    (a save killed mid-write); a live process's, this one's included, may be in use."""
+    pattern = re.compile(rf"\.{re.escape(base)}\.(\d+)\.[0-9a-f]{{8}}\.tmp")
+    try:
+        names = os.listdir(directory)
+    except OSError:
+        return
+    for name in names:
+        m = pattern.fullmatch(name)
+        if m is not None and int(m[1]) != os.getpid() and not _pid_alive(int(m[1])):
+            with contextlib.suppress(OSError):
+                os.unlink(os.path.join(directory, name))
+
+
 def save_checkpoint(path: str | os.PathLike[str], ckpt: Checkpoint) -> None:
     """Write ``ckpt`` to ``path`` atomically: the old file or the new one, never a torn one.
 
     The temp file lives in the target directory (same filesystem, so ``os.replace`` is
     atomic) and is removed on any failure. I/O errors raise CheckpointError. The archive
     is written into it as it is encoded, never built in memory: 16 MB less at each save
-    of the demo default.
+    of the demo default. The temp file is mode 600 until it is complete (then it gets
+    the mode a new file gets); temp files of ``path`` that dead processes left are
+    removed first.
     """
     tree = _checked_tree(ckpt)  # validate before touching the disk
     target = os.path.abspath(os.fspath(path))
     directory, base = os.path.split(target)
+    _remove_stale_temps(directory, base)
     tmp = os.path.join(directory, f".{base}.{os.getpid()}.{secrets.token_hex(4)}.tmp")
     flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_BINARY", 0)
     try:
-        fd = os.open(tmp, flags, 0o666)  # umask applies, like a normal file
+        # Private while written: a save killed midway leaves weights nobody else reads.
+        fd = os.open(tmp, flags, 0o600)
     except OSError as exc:
         raise _err(f"cannot create a temp file next to {target}: {exc}",
                    "check that the directory exists and is writable") from None
     try:
         try:
             _write_tree(tree, _FdFile(fd))  # type: ignore[arg-type]
+            if hasattr(os, "fchmod"):
+                os.fchmod(fd, 0o666 & ~_umask())  # complete: the mode of a normal file
             os.fsync(fd)
         finally:
             os.close(fd)

@@ -381,6 +381,80 @@ def test_saved_file_has_normal_permissions(tmp_path):
     assert (tmp_path / "a.pt").stat().st_mode == (tmp_path / "b").stat().st_mode
 
 
+def _temps(path):
+    return sorted(p for p in os.listdir(path) if p.endswith(".tmp"))
+
+
+def test_the_temp_file_is_private_while_it_is_written(tmp_path, monkeypatch):
+    modes, real_write = [], os.write
+
+    def write(fd, data):
+        modes.extend(os.stat(tmp_path / t).st_mode & 0o777 for t in _temps(tmp_path))
+        return real_write(fd, data)
+
+    monkeypatch.setattr(os, "write", write)
+    save_checkpoint(tmp_path / "run.pt", _ckpt())
+    monkeypatch.undo()
+    assert modes and set(modes) == {0o600}
+    assert _dir_names(tmp_path) == ["run.pt"]
+
+
+_KILLED_SAVE = """
+import os, sys, time
+import numpy as np
+from daisyweb.checkpoints.checkpoint import TokenizerInfo, make_checkpoint, save_checkpoint
+from daisyweb.model import ModelConfig, param_count
+from daisyweb.optim import AdamConfig, DaisyAdam
+model = ModelConfig(vocab=50, width=8, layers=1, heads=2, seq=4)
+n = param_count(model)
+ckpt = make_checkpoint(model, TokenizerInfo(50, "ab" * 32), np.zeros(n, np.float32),
+                       DaisyAdam(AdamConfig(lr=1e-2), n), {"batch": 4})
+real_write = os.write
+def stalled(fd, data):  # a disk that stops: the parent kills us mid-write
+    real_write(fd, bytes(data[:10]))
+    print("writing", flush=True)
+    time.sleep(600)
+os.write = stalled
+save_checkpoint(sys.argv[1], ckpt)
+"""
+
+
+def test_a_save_killed_mid_write_leaves_a_private_temp_the_next_save_removes(tmp_path):
+    path = tmp_path / "run.pt"
+    proc = subprocess.Popen([sys.executable, "-c", _KILLED_SAVE, str(path)],
+                            stdout=subprocess.PIPE, text=True)
+    try:
+        assert proc.stdout.readline().strip() == "writing"
+    finally:
+        proc.kill()
+        proc.wait()
+    (litter,) = _temps(tmp_path)
+    assert litter.startswith(f".run.pt.{proc.pid}.")
+    assert os.stat(tmp_path / litter).st_mode & 0o777 == 0o600
+    save_checkpoint(path, _ckpt())
+    assert _dir_names(tmp_path) == ["run.pt"]
+    assert load_checkpoint(path) == _ckpt()
+
+
+def test_only_temps_of_this_target_from_dead_processes_are_removed(tmp_path):
+    dead = subprocess.Popen([sys.executable, "-c", "pass"])
+    dead.wait()
+    alive = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    try:
+        names = [f".run.pt.{dead.pid}.0123abcd.tmp",  # removed
+                 f".run.pt.{alive.pid}.0123abcd.tmp",  # another save may be writing it
+                 f".run.pt.{os.getpid()}.0123abcd.tmp",  # this process's: the same
+                 f".other.pt.{dead.pid}.0123abcd.tmp",  # another target's
+                 f".run.pt.{dead.pid}.tmp", "run.pt.tmp", "notes.txt"]  # not ours
+        for name in names:
+            (tmp_path / name).write_bytes(b"x")
+        save_checkpoint(tmp_path / "run.pt", _ckpt())
+    finally:
+        alive.kill()
+        alive.wait()
+    assert _dir_names(tmp_path) == sorted(["run.pt", *names[1:]])
+
+
 # ---------------------------------------------------------------------------- refusals
 @pytest.mark.parametrize("data", [
     b"", b"not a zip at all", b"PK\x03\x04" + b"\x00" * 40, b"\x89PNG\r\n\x1a\n" + b"\x00" * 64,
