@@ -18,8 +18,11 @@ import time
 from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 
+ROOT = Path(__file__).resolve().parents[1]
+# PYTHONPATH: peers started from a scratch directory still find ``tests.fault_peer``.
 ENV = dict(os.environ, OPENBLAS_NUM_THREADS="1", PYTHONUNBUFFERED="1",
-           DAISYWEB_TRANSPORT="aiortc", DAISYWEB_LOOPBACK_ONLY="1")
+           DAISYWEB_TRANSPORT="aiortc", DAISYWEB_LOOPBACK_ONLY="1",
+           PYTHONPATH=os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")])))
 
 
 def free_port() -> int:
@@ -57,9 +60,10 @@ def signaling_server(cwd: Path) -> Iterator[str]:
         server.wait(timeout=10)
 
 
-def peer_command(server: str, room: str) -> list[str]:
-    """``daisyweb-peer`` joining ``room`` on loopback, admitting everyone with the code."""
-    return [sys.executable, "-m", "daisyweb.cli.peer", "--server", server, "--room", room,
+def peer_command(server: str, room: str, module: str = "daisyweb.cli.peer") -> list[str]:
+    """``daisyweb-peer`` joining ``room`` on loopback, admitting everyone with the code;
+    ``module="tests.fault_peer"``: with the test switches of its environment."""
+    return [sys.executable, "-m", module, "--server", server, "--room", room,
             "--ice-host", "127.0.0.1", "--approve", "auto", "--join-timeout", "60"]
 
 

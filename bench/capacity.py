@@ -31,7 +31,7 @@ def pair(steps: int, capacity: str, factor: float, tmp: Path) -> dict:
     tag = f"{capacity}-{factor:g}"
     lead_m, slow_m = tmp / f"{tag}.jsonl", tmp / f"{tag}-slow.jsonl"
     with signaling_server(tmp) as url:
-        base = peer_command(url, f"cap-{tag}".replace(".", "-"))
+        base = peer_command(url, f"cap-{tag}".replace(".", "-"), "tests.fault_peer")
         lead = base + ["--start", "--wait-peers", "2", "--steps", str(steps),
                        "--capacity", capacity, "--metrics", str(lead_m)]
         slow_env = dict(ENV, DAISYWEB_TEST_SLOW_FACTOR=f"{factor:g}")

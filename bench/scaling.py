@@ -81,7 +81,7 @@ def two_peers(steps: int, sync_every: int, codec: str, tmp: Path, tag: str,
     metrics, ckpt = tmp / f"{tag}.jsonl", tmp / f"{tag}.pt"
     follower_metrics = tmp / f"{tag}-follower.jsonl"
     with signaling_server(tmp) as url:
-        base = peer_command(url, f"scale-{tag}")
+        base = peer_command(url, f"scale-{tag}", "tests.fault_peer")
         lead = base + ["--start", "--wait-peers", "2", "--steps", str(steps),
                        "--sync-every", str(sync_every), "--codec", codec,
                        "--overlap", str(overlap),

@@ -40,8 +40,7 @@ def _scale() -> None:
             return real(self, vector)
         nb = codec.nblocks(vector.size)
         values = codec.encode(np.ones(vector.size, np.float32))[4 * nb:]
-        self.last_payload = np.full(nb, 2.0 ** 120, "<f4").tobytes() + values
-        return self.last_payload
+        return np.full(nb, 2.0 ** 120, "<f4").tobytes() + values
 
     exchange.RecordingEncoder.encode = encode  # type: ignore[method-assign]
 
@@ -131,9 +130,9 @@ def main(argv: list[str]) -> int:
               file=sys.stderr)
         return 2
     ATTACKS[argv[0]]()
-    from daisyweb.cli import peer
+    from tests import fault_peer  # the test switches (a step delay) apply as to any peer
 
-    return peer.main(argv[1:])
+    return fault_peer.main(argv[1:])
 
 
 if __name__ == "__main__":

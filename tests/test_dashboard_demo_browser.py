@@ -77,7 +77,7 @@ class Proc:
 def _spawn(procs: list[Proc], tmp: Path, name: str, args: list[str], server: str,
            env: dict[str, str] | None = None) -> Proc:
     log, metrics = tmp / f"{name}.log", tmp / f"{name}.jsonl"
-    cmd = [sys.executable, "-m", "daisyweb.cli.peer", "--server", server, "--room", ROOM,
+    cmd = [sys.executable, "-m", "tests.fault_peer", "--server", server, "--room", ROOM,
            "--name", name, "--ice-host", "127.0.0.1", "--metrics", str(metrics),
            "--join-timeout", "40", *args]
     with open(log, "w") as out:

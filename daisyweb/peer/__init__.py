@@ -4,9 +4,8 @@
 """
 
 from daisyweb.peer.exchange import make_trainer
-from daisyweb.peer.faults import TestHooks
 from daisyweb.peer.options import PeerError, PeerOptions, data_url, options_from_args
 from daisyweb.peer.run import run_peer
 
-__all__ = ["PeerError", "PeerOptions", "TestHooks", "data_url", "make_trainer",
+__all__ = ["PeerError", "PeerOptions", "data_url", "make_trainer",
            "options_from_args", "run_peer"]

@@ -5,7 +5,8 @@ bytes and time: it joins the mesh, runs the start handshake (``handshake``), run
 contribution in a worker thread (so heartbeats and messages keep flowing during a step),
 sends each peer's messages from its own ordered outbox (``daisyweb.net.outbox``: a slow
 peer never blocks the loop), feeds batches (``datafeed``) and hands every commit and the
-end to ``report``. Test faults reach it only through ``faults.Faults``.
+end to ``report``. Its parts are made by methods a test's subclass may wrap
+(``tests/fault_peer.py``); nothing here knows of tests.
 
 Queue items (``items``) are dataclasses, mesh events and errors are matched by type.
 """
@@ -47,7 +48,6 @@ from daisyweb.peer.exchange import (
     mode,
     unit,
 )
-from daisyweb.peer.faults import Faults, Replica
 from daisyweb.peer.items import (
     GradientFailed,
     GradientReady,
@@ -88,22 +88,20 @@ class PendingHead:
 class Driver:
     """One peer's run from joining the mesh to its exit code."""
 
-    def __init__(self, opts: PeerOptions, faults: Faults, tok: Tokenizer,
-                 tokinfo: TokenizerInfo, state: TrainState | None,
-                 mesh_factory: MeshFactory | None) -> None:
+    def __init__(self, opts: PeerOptions, tok: Tokenizer, tokinfo: TokenizerInfo,
+                 state: TrainState | None, mesh_factory: MeshFactory | None) -> None:
         self.mesh_factory = mesh_factory
         self.opts = opts
-        self.faults = faults
         self.spooler = Spooler()  # snapshots go out from a file
         # The snapshot of the current boundary, written once for every joiner offered
         # one there (a 24-peer start offers 23 at boundary 0); a commit makes it stale.
         self.snapshot: tuple[int, bytes | SpooledBytes, str] | None = None
-        self.version = faults.version
+        self.version = wire.PROTOCOL_VERSION  # what this peer speaks and announces
         self.tok = tok
         self.tokinfo = tokinfo
         self.state = state
         self.report = Report(opts, tokinfo)  # opens --metrics (OSError: run_peer says so)
-        self.replica: Replica | None = None
+        self.replica: Trainer | None = None
         self.trainer: Trainer
         self.encoder: RecordingEncoder
         self.feed: DataFeed
@@ -181,9 +179,6 @@ class Driver:
         """A new mesh, joined to the room (admitted), its events pumped into the queue."""
         self.mesh = self._make_mesh()
         self.outboxes = Outboxes(self.mesh.send, log)
-        drop = self.faults.drop_outgoing()
-        if drop is not None:
-            self.mesh.drop_outgoing = drop
         try:
             await self.mesh.start()
         # Checked first, as a JoinTimeout may well be an OSError too.
@@ -251,7 +246,6 @@ class Driver:
             capacity=self.opts.start and self.opts.capacity, batch=self.state.run.batch,
             archive=SpillArchive(), term=term, unit=unit(self.state.run),
             inner_steps=self.state.run.sync_every)
-        self.faults.machine = self.machine
         return self.machine
 
     async def _start_leader(self) -> None:
@@ -304,7 +298,7 @@ class Driver:
         self.mesh.limit_messages(largest, budget.link_budget(state.size))
         keep_step_buffers(state.size)  # the step's temporaries stay on the heap
         self.trainer = make_trainer(state)
-        self.replica = Replica(self.trainer, self.faults)
+        self.replica = self.trainer  # a trainer is the step machine's replica
         self.encoder = RecordingEncoder(state.run.codec, state.size)
 
     async def _make_feed(self) -> None:
@@ -344,7 +338,7 @@ class Driver:
         self.outboxes.down(peer)
 
     def _send(self, to: tuple[str, ...] | None, msg: wire.Message) -> None:
-        self.outboxes.put(to, self.faults.outgoing(msg))
+        self.outboxes.put(to, msg)
 
     # ------------------------------------------------------------------ loop
     async def _loop(self) -> None:
@@ -411,13 +405,8 @@ class Driver:
         if item.secs > 0 and item.sequences:
             m.speed = item.sequences / item.secs  # published with our next hashes
         self.trainer.stage(contribution)
-        self.encoder.last_payload = b""
         current = not m.done and step == m.boundary
         actions = m.local_gradient(step, contribution.loss, contribution.vector, now)
-        if self.faults.dumps and self.encoder.last_payload:
-            # What every member decodes from our bytes: the replay oracle's input.
-            self.faults.dump(m.self_id, step,
-                             self.encoder.decode(self.encoder.last_payload, m.replica.size))
         await self._do(actions)
         if current and self.result is None:
             # The head start needs our end weights and moments, not the delta (sent and
@@ -532,8 +521,6 @@ class Driver:
 
     async def _compute(self, step: int, sequences: int = 0) -> None:
         generation = self.generation
-        if self.faults.step_delay:
-            await asyncio.sleep(self.faults.step_delay)
         loop = asyncio.get_running_loop()
         n = sequences or self.feed.run.batch  # our share of each inner step's sequences
         self.rows = n  # a head start of the next round draws as many (--overlap)
@@ -543,8 +530,7 @@ class Driver:
         if head is not None:
             compute = functools.partial(self.trainer.contribute, head=head)
         try:
-            contribute = self.faults.contribution(step, compute)
-            contribution = await loop.run_in_executor(None, contribute, step,
+            contribution = await loop.run_in_executor(None, compute, step,
                                                       self._batch_fn(n))
         except Exception as exc:
             # Any failure here (a kernel refusing a NaN activation, a bug) must halt the
@@ -552,7 +538,6 @@ class Driver:
             await self.queue.put(GradientFailed(step, exc, generation))
             return
         secs = time.perf_counter() - t0 + self.report.head_secs(step if head else None)
-        secs += await self.faults.slow_down(secs)
         # Sequences per second of this contribution: the leader's next shares use it.
         await self.queue.put(GradientReady(step, contribution, secs,
                                            n * self.trainer.steps_in(step), generation))
@@ -573,9 +558,8 @@ class Driver:
             spooled = self.spooler.spool(lambda f: checkpoint_to_file(ckpt, f))
             self.snapshot = step, spooled, self.state.weight_hash()
         _, payload, weight_hash = self.snapshot
-        payload, announced = self.faults.snapshot(payload, weight_hash)
         self._send((peer,), self.state.run.to_wire())
-        self._send((peer,), wire.Snapshot(step, announced, payload))
+        self._send((peer,), wire.Snapshot(step, weight_hash, payload))
         log(f"sent snapshot of {self._unit()} {step} ({len(payload):,} bytes) to {peer}")
 
     async def _finish(self) -> int:

@@ -25,21 +25,19 @@ def make_trainer(state: TrainState) -> Trainer:
 
 
 class RecordingEncoder:
-    """The run's codec with error feedback; remembers the last payload it produced, so
-    the replay-oracle dump (a test switch) can store what the wire really carried."""
+    """The run's codec with error feedback, counting the payload bytes it produced."""
 
     def __init__(self, name: str, size: int) -> None:
         codec = codec_by_name(name)
         self.name = codec.name
         self._codec = codec
         self._encoder: Codec = codec.encoder(size)  # error feedback for int8 and int4
-        self.last_payload = b""
         self.bytes_sent = 0  # payload bytes of this member's own contributions so far
 
     def encode(self, vector: np.ndarray) -> bytes:
-        self.last_payload = self._encoder.encode(vector)
-        self.bytes_sent += len(self.last_payload)
-        return self.last_payload
+        payload = self._encoder.encode(vector)
+        self.bytes_sent += len(payload)
+        return payload
 
     def decode(self, payload: bytes, size: int, who: str = "payload") -> np.ndarray:
         return self._codec.decode(payload, size, who)

@@ -1,10 +1,10 @@
 """The peer's entry point: checks before connecting, then one :class:`driver.Driver` run.
 
-The pieces, one module each: ``options`` (what the user asked for), ``faults`` (the
-test-only switches behind one hook), ``handshake`` (the leader's starting state and both
-sides of the start handshake), ``approve`` (the host's prompt), ``datafeed`` (batches),
-``exchange`` (trainer, codec, mode), ``report`` (commit records, saves, the end),
-``items`` (the driver's queue items) and ``driver`` (the event loop).
+The pieces, one module each: ``options`` (what the user asked for), ``handshake`` (the
+leader's starting state and both sides of the start handshake), ``approve`` (the host's
+prompt), ``datafeed`` (batches), ``exchange`` (trainer, codec, mode), ``report`` (commit
+records, saves, the end), ``items`` (the driver's queue items) and ``driver`` (the event
+loop).
 """
 
 from __future__ import annotations
@@ -12,7 +12,6 @@ from __future__ import annotations
 from pathlib import Path
 
 from daisyweb.peer.driver import Driver, MeshFactory
-from daisyweb.peer.faults import Faults, TestHooks, break_kernel_for_tests
 from daisyweb.peer.handshake import leader_state, tokenizer_info
 from daisyweb.peer.options import PeerError, PeerOptions, log
 
@@ -37,27 +36,25 @@ def resolve_transport(name: str) -> str:
 async def run_peer(
     opts: PeerOptions,
     *,
-    hooks: TestHooks | None = None,
     mesh_factory: MeshFactory | None = None,
+    driver_class: type[Driver] | None = None,
 ) -> int:
     """Run one peer to the end. Returns the exit code; raises PeerError for setup errors.
 
     ``mesh_factory`` (default ``daisyweb.net.Mesh``) lets tests run several peers in
-    one process over an in-memory mesh with the same interface.
+    one process over an in-memory mesh with the same interface; ``driver_class``
+    (default :class:`Driver`) lets them wrap its parts.
     """
-    hooks = TestHooks.from_env() if hooks is None else hooks
     if opts.save:
         parent = Path(opts.save).resolve().parent
         if parent.exists() and not parent.is_dir():
             raise PeerError(2, f"--save: {parent} is not a directory")
         if not parent.is_dir():
             raise PeerError(2, f"--save: directory {parent} does not exist")
-    if hooks.break_kernel:
-        break_kernel_for_tests()
     tok, tokinfo = tokenizer_info()
     state = leader_state(opts, tokinfo) if opts.start else None
     try:
-        driver = Driver(opts, Faults(hooks), tok, tokinfo, state, mesh_factory)
+        driver = (driver_class or Driver)(opts, tok, tokinfo, state, mesh_factory)
     except OSError as exc:  # the only file the driver opens up front is --metrics
         raise PeerError(2, f"--metrics: cannot open {opts.metrics}: "
                            f"{exc.strerror or exc}") from None

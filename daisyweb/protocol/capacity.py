@@ -33,10 +33,16 @@ def bounded_speeds(reported: Mapping[str, float],
                    observed: Mapping[str, float]) -> dict[str, float]:
     """What the leader believes of each member's speed: its report, but never more than
     ``OBSERVED_SLACK`` times what the leader saw (sequences over the time from naming the
-    roster to the contribution's arrival). A member cannot buy the batch by lying; an
-    honest one loses nothing to a slow link within the slack (a head start, taken
-    before the roster, makes the seen speed higher, not lower)."""
-    return {p: min(v, OBSERVED_SLACK * observed[p]) if observed.get(p, 0.0) > 0.0 else v
+    roster to the contribution's arrival), scaled by how the group's reports and
+    observations compare (the lower median of report / observation: what the leader
+    sees includes the network, idle waits and head starts, alike for every member). A
+    member cannot buy the batch by lying; an honest one loses nothing within the slack."""
+    seen = [p for p, v in reported.items() if v > 0.0 and observed.get(p, 0.0) > 0.0]
+    if not seen:
+        return dict(reported)
+    ratios = sorted(reported[p] / observed[p] for p in seen)
+    typical = ratios[(len(ratios) - 1) // 2]
+    return {p: min(v, OBSERVED_SLACK * typical * observed[p]) if p in seen else v
             for p, v in reported.items()}
 
 

@@ -8,7 +8,7 @@ import sys
 import pytest
 
 from daisyweb.cli import peer
-from daisyweb.peer import PeerError, TestHooks, approve, data_url, options_from_args
+from daisyweb.peer import approve, data_url, options_from_args
 
 S = ["--server", "http://127.0.0.1:9"]
 
@@ -90,36 +90,6 @@ def test_bad_flag_from_the_command_line_has_no_traceback() -> None:
     assert p.stderr.strip().count("\n") == 0 and "Traceback" not in p.stderr
 
 
-def test_test_hooks_come_from_the_environment_only() -> None:
-    assert TestHooks.from_env({}) == TestHooks()
-    h = TestHooks.from_env({
-        "DAISYWEB_TEST_BREAK_KERNEL": "1", "DAISYWEB_TEST_DROP_GRADIENT": "3",
-        "DAISYWEB_TEST_CORRUPT_GRADIENT": "2:nan", "DAISYWEB_TEST_FORK_AT": "4",
-    })
-    assert h.break_kernel and h.drop_gradient == 3
-    assert h.corrupt_gradient == (2, "nan") and h.fork_at == 4
-    assert not TestHooks.from_env({"DAISYWEB_TEST_BREAK_KERNEL": "0"}).break_kernel
-    with pytest.raises(PeerError):
-        TestHooks.from_env({"DAISYWEB_TEST_CORRUPT_GRADIENT": "2:zero"})
-    with pytest.raises(PeerError):
-        TestHooks.from_env({"DAISYWEB_TEST_FORK_AT": "soon"})
-
-
-def test_broken_kernel_switch_changes_the_probe() -> None:
-    # In a child process: the switch replaces the live backend for the whole process.
-    code = (
-        "import kernels\n"
-        "from daisyweb.peer.faults import break_kernel_for_tests\n"
-        "good = kernels.probe_hash()\n"
-        "break_kernel_for_tests()\n"
-        "print(good != kernels.probe_hash(), kernels.active_backend())\n"
-    )
-    p = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
-                       timeout=60)
-    assert p.returncode == 0, p.stderr
-    assert p.stdout.split() == ["True", "mirror"]
-
-
 @pytest.mark.parametrize(
     ("server", "url"),
     [
@@ -193,14 +163,6 @@ def test_save_under_a_file_is_refused_before_connecting(tmp_path) -> None:
         f"daisyweb-peer: --save: {tmp_path / 'plain'} is not a directory")
 
 
-def test_gradient_raises_switch_parses() -> None:
-    assert TestHooks.from_env({"DAISYWEB_TEST_GRADIENT_RAISES": "3"}).gradient_raises == 3
-    assert TestHooks.from_env({}).gradient_raises is None
-    with pytest.raises(PeerError) as exc:
-        TestHooks.from_env({"DAISYWEB_TEST_GRADIENT_RAISES": "soon"})
-    assert exc.value.code == 2 and "DAISYWEB_TEST_GRADIENT_RAISES" in str(exc.value)
-
-
 def test_unopenable_metrics_file_is_one_line_exit_2(tmp_path) -> None:
     (tmp_path / "plain").write_text("not a directory")
     bad = tmp_path / "plain" / "m.jsonl"
@@ -224,10 +186,3 @@ def test_capacity_flag_is_the_leaders(capsys: pytest.CaptureFixture[str]) -> Non
         assert e.value.code == 2 and says in err and err.count("\n") == 1
 
 
-def test_slow_factor_switch_parses() -> None:
-    assert TestHooks.from_env({"DAISYWEB_TEST_SLOW_FACTOR": "3"}).slow_factor == 3.0
-    assert TestHooks.from_env({}).slow_factor == 1.0
-    for bad in ("0.5", "fast", "1000", "nan"):
-        with pytest.raises(PeerError) as exc:
-            TestHooks.from_env({"DAISYWEB_TEST_SLOW_FACTOR": bad})
-        assert exc.value.code == 2 and "DAISYWEB_TEST_SLOW_FACTOR" in str(exc.value)

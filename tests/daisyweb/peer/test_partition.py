@@ -18,9 +18,10 @@ from pathlib import Path
 import pytest
 
 from daisyweb.net import PeerDown
-from daisyweb.peer import PeerError, TestHooks, run_peer
+from daisyweb.peer import PeerError, run_peer
 from daisyweb.protocol import wire
 from tests.daisyweb.peer.test_run import FakeHub, FakeMesh, _opts, server
+from tests.fault_peer import Hooks, faulty
 
 __all__ = ["server"]  # the fixture, shared with test_run
 
@@ -73,7 +74,7 @@ async def _partitioned(tmp: Path, server: str, n: int, cut_at: int,
         try:
             return await run_peer(
                 _opts(tmp, server, name, join_timeout=10.0, **extra),
-                hooks=TestHooks(step_delay=0.05),
+                driver_class=faulty(Hooks(step_delay=0.05)),
                 mesh_factory=lambda *a, **k: CuttableMesh(hub, *a, **k))
         except PeerError as exc:
             print(f"daisyweb-peer: {exc}", file=sys.stderr)  # as the command prints it

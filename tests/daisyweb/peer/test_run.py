@@ -29,11 +29,12 @@ import pytest
 from daisyweb.checkpoints.checkpoint import Checkpoint, load_checkpoint
 from daisyweb.model import init_params
 from daisyweb.net import MeshError, PeerDown, PeerUp, Received
-from daisyweb.peer import PeerError, PeerOptions, TestHooks, report, run_peer
+from daisyweb.peer import PeerError, PeerOptions, report, run_peer
 from daisyweb.protocol import budget, framing, wire
 from daisyweb.protocol.codec import codec_by_name
 from daisyweb.training.config import RunConfig
 from daisyweb.training.replay import replay_hashes, replay_rounds
+from tests.fault_peer import Hooks, faulty
 
 ROOT = Path(__file__).resolve().parents[3]
 TINY = ["--width", "16", "--layers", "1", "--heads", "2", "--seq", "16", "--batch", "2",
@@ -134,9 +135,10 @@ class Group:
         return d
 
     def spawn(self, name: str, *args: str, env: dict[str, str] | None = None,
-              module: tuple[str, ...] = ("daisyweb.cli.peer",)) -> Peer:
-        """A peer process; ``module``: what runs it (a hostile member: ``tests.hostile_peer``
-        and its attack)."""
+              module: tuple[str, ...] = ("tests.fault_peer",)) -> Peer:
+        """A peer process: daisyweb-peer with the test faults of ``env``
+        (``tests/fault_peer.py``); ``module``: what runs it instead (a hostile member:
+        ``tests.hostile_peer`` and its attack)."""
         metrics = self.tmp / f"{name}.jsonl"
         log = self.tmp / f"{name}.log"
         cmd = [sys.executable, "-m", *module, "--server", self.server,
@@ -296,7 +298,7 @@ def _records(path: Path) -> list[dict]:
 
 
 async def _group(tmp: Path, server: str, n: int, steps: int,
-                 hooks: dict[str, TestHooks] | None = None,
+                 hooks: dict[str, Hooks] | None = None,
                  save: dict[str, str] | None = None,
                  hub: FakeHub | None = None, leader: dict | None = None) -> list[int]:
     hub = hub if hub is not None else FakeHub()
@@ -312,8 +314,8 @@ async def _group(tmp: Path, server: str, n: int, steps: int,
         await asyncio.sleep(0.05 * i)  # the leader first, like a room's host
         try:
             return await run_peer(
-                _opts(tmp, server, name, **extra), hooks=hooks.get(name, TestHooks(
-                    dump_grads=str(tmp))), mesh_factory=lambda *a, **k: FakeMesh(hub, *a, **k))
+                _opts(tmp, server, name, **extra), driver_class=faulty(hooks.get(name, Hooks(
+                    dump_grads=str(tmp)))), mesh_factory=lambda *a, **k: FakeMesh(hub, *a, **k))
         except PeerError as exc:
             return exc.code
 
@@ -363,7 +365,7 @@ def test_in_process_eval_every_records_the_heldout_loss_of_the_shared_weights(
 
 
 def test_in_process_nan_halts_with_a_valid_checkpoint(tmp_path: Path, server: str) -> None:
-    bad = TestHooks(corrupt_gradient=(1, "nan"))
+    bad = Hooks(corrupt_gradient=(1, "nan"))
     saves = {f"p{i}": str(tmp_path / f"p{i}.pt") for i in range(3)}
     codes = asyncio.run(_group(tmp_path, server, 3, 5, hooks={"p2": bad}, save=saves))
     assert codes[:2] == [1, 1]
@@ -642,7 +644,7 @@ def test_interrupt_ends_cleanly_with_a_checkpoint(group: Group) -> None:
 
 def test_in_process_gradient_exception_halts_the_group(tmp_path: Path, server: str,
                                                        capsys: pytest.CaptureFixture) -> None:
-    bad = TestHooks(dump_grads=str(tmp_path), gradient_raises=1)
+    bad = Hooks(dump_grads=str(tmp_path), gradient_raises=1)
     saves = {f"p{i}": str(tmp_path / f"p{i}.pt") for i in range(3)}
     hub = FakeHub()
     codes = asyncio.run(_group(tmp_path, server, 3, 5, hooks={"p1": bad}, save=saves,
@@ -677,7 +679,7 @@ def test_in_process_save_failures_warn_then_fail_the_end(
 
     monkeypatch.setattr(report, "save_checkpoint", save_then_vanish)
     opts = _opts(tmp_path, server, "lead", start=True, steps=3, save=str(save), save_every=1)
-    code = asyncio.run(run_peer(opts, hooks=TestHooks(),
+    code = asyncio.run(run_peer(opts, driver_class=faulty(Hooks()),
                                     mesh_factory=lambda *a, **k: FakeMesh(FakeHub(), *a, **k)))
     assert code == 1  # trained to the end, but the final checkpoint is lost
     rs = _records(tmp_path / "lead.jsonl")
@@ -770,15 +772,15 @@ def test_peers_of_another_protocol_version_are_refused(group: Group, who: str) -
 
 
 def test_snapshot_and_version_switches_come_from_the_environment_only() -> None:
-    h = TestHooks.from_env({"DAISYWEB_TEST_CORRUPT_SNAPSHOT": "hash",
+    h = Hooks.from_env({"DAISYWEB_TEST_CORRUPT_SNAPSHOT": "hash",
                                 "DAISYWEB_TEST_PROTOCOL_VERSION": "999"})
     assert (h.corrupt_snapshot, h.protocol_version) == ("hash", 999)
-    assert TestHooks.from_env({}).protocol_version is None
+    assert Hooks.from_env({}).protocol_version is None
     for env in ({"DAISYWEB_TEST_CORRUPT_SNAPSHOT": "zero"},
                 {"DAISYWEB_TEST_PROTOCOL_VERSION": "-1"},
                 {"DAISYWEB_TEST_PROTOCOL_VERSION": str(1 << 32)}):
         with pytest.raises(PeerError) as exc:
-            TestHooks.from_env(env)
+            Hooks.from_env(env)
         assert exc.value.code == 2 and next(iter(env)) in str(exc.value)
 
 
@@ -1032,8 +1034,8 @@ def test_capacity_gives_a_slowed_peer_a_smaller_share(group: Group) -> None:
 
 @pytest.mark.parametrize("capacity", [True, False])
 def test_in_process_capacity_on_and_off(tmp_path: Path, server: str, capacity: bool) -> None:
-    hooks = {"p0": TestHooks(dump_grads=str(tmp_path)),
-             "p1": TestHooks(dump_grads=str(tmp_path), slow_factor=6.0)}
+    hooks = {"p0": Hooks(dump_grads=str(tmp_path)),
+             "p1": Hooks(dump_grads=str(tmp_path), slow_factor=6.0)}
     codes = asyncio.run(_group(tmp_path, server, 2, 8, hooks=hooks,
                                leader={"capacity": capacity, "batch": 4}))
     assert codes == [0, 0]

@@ -288,8 +288,13 @@ def test_shares_stay_while_speeds_move_a_little() -> None:
 def test_a_report_is_believed_up_to_twice_what_the_leader_saw() -> None:
     from daisyweb.protocol.capacity import OBSERVED_SLACK, bounded_speeds
 
+    # a's report is 1.25 times what the leader saw: so is the group's (the lower median)
     assert bounded_speeds({"a": 100.0, "b": 1e12}, {"a": 80.0, "b": 50.0}) == {
-        "a": 100.0, "b": OBSERVED_SLACK * 50.0}
+        "a": 100.0, "b": OBSERVED_SLACK * 1.25 * 50.0}
+    # what the leader sees includes idle waits: only the ratio to the others' counts
+    assert bounded_speeds({"a": 1600.0, "b": 400.0, "c": 1e12},
+                          {"a": 40.0, "b": 35.0, "c": 38.0}) == {
+        "a": 1600.0, "b": 400.0, "c": OBSERVED_SLACK * 40.0 * 38.0}
     assert bounded_speeds({"a": 100.0}, {}) == {"a": 100.0}  # nothing seen yet: the report
 
 
