@@ -98,9 +98,11 @@ class StallMeter:
     def __init__(self, window: float) -> None:
         self.window = window
         self._samples: deque[tuple[float, float]] = deque()  # (when, how late)
+        self.longest = 0.0  # the longest stall of the run (the end record reports it)
 
     def record(self, now: float, late: float) -> None:
         self._samples.append((now, max(0.0, late)))
+        self.longest = max(self.longest, late)
         while self._samples and now - self._samples[0][0] > self.window:
             self._samples.popleft()
 

@@ -272,6 +272,9 @@ class Report:
         if save_error is not None:
             end["save_error"] = save_error
         end["peak_rss_bytes"] = peak_rss_bytes()  # VmHWM: what this peer needed at most
+        stalls = getattr(status, "stalls", None)  # the event loop's longest stall, measured
+        if stalls is not None:
+            end["loop_stall_max_s"] = round(stalls.longest, 3)
         kernels: dict[str, Any] | None = None  # as kernel_report() types it
         with contextlib.suppress(Exception):  # the report must never hide the run's end
             kernels = end["kernels"] = kernel_report()

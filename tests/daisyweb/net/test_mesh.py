@@ -248,6 +248,7 @@ async def test_a_stalled_event_loop_does_not_drop_its_links(srv):
         await until(a, lambda e: isinstance(e, PeerDown), timeout=1.5, seen=seen)
     assert not [e for e in seen if isinstance(e, PeerDown)], seen
     assert a.connected() == [b.self_id] and a.stalls.recent() > FAST_HB["heartbeat_timeout"]
+    assert a.stalls.longest >= a.stalls.recent()  # what the end record reports
 
 
 def test_link_timeout_fits_round_trips_and_our_own_stalls() -> None:
@@ -261,7 +262,7 @@ def test_link_timeout_fits_round_trips_and_our_own_stalls() -> None:
     meter.record(1.0, -0.5)  # early is not late
     assert meter.recent() == 4.0
     meter.record(11.0, 0.1)  # the 4 s stall left the window
-    assert meter.recent() == 0.1
+    assert meter.recent() == 0.1 and meter.longest == 4.0
 
 
 async def test_heartbeat_timeout_and_liveness_from_data(srv):
