@@ -26,6 +26,8 @@ from typing import Any, BinaryIO, ClassVar
 
 import msgpack
 
+from daisyweb import rules
+
 __all__ = [
     "encode_parts",
     "Part",
@@ -59,14 +61,14 @@ PROTOCOL_VERSION = 6
 # Limits. Generous for the project's models, small enough that a hostile peer
 # cannot make us allocate without bound.
 MAX_ID_LEN = 128  # peer ids
-MAX_TEXT_LEN = 1024  # free text (halt reason, data source)
+MAX_TEXT_LEN = rules.MAX_DATA_LEN  # free text (halt reason, data source)
 MAX_HASH_LEN = 128  # hex digests (512-bit max)
 MAX_MEMBERS = 1024  # roster size
 MAX_PAYLOAD = 1 << 30  # snapshot / gradient bytes
 MAX_MESSAGE = MAX_PAYLOAD + (1 << 16)  # decode refuses larger inputs outright
-MAX_U64 = (1 << 64) - 1
-MAX_STEP = (1 << 63) - 1  # steps fit a signed 64-bit int everywhere
-MAX_DIM = 1 << 31
+MAX_U64 = rules.MAX_SEED
+MAX_STEP = rules.MAX_STEP  # steps fit a signed 64-bit int everywhere
+MAX_DIM = rules.MAX_DIM
 MAX_SHARE = 1 << 20  # sequences one member may be given in one step
 MAX_SPEED = 1e12  # sequences per second a member may report
 DIGEST_BYTES = 16  # of a contribution's digest in StepHashes (collisions cost 2**64 work)
@@ -117,6 +119,12 @@ def _float(lo: float, hi: float, lo_open: bool = False) -> Checker:
 _ID = re.compile(r"[0-9A-Za-z._:-]*")
 
 
+def _rule(field: str) -> Checker:
+    """The check of a run-config field, from its one rule (``daisyweb.rules.FIELD_RULES``)."""
+    r = rules.FIELD_RULES[field]
+    return _int(int(r.lo), int(r.hi)) if r.kind is int else _float(r.lo, r.hi, r.lo_open)
+
+
 def _id(min_len: int = 1) -> Checker:
     """A peer id: letters, digits and ``._:-`` only (it is printed on every terminal)."""
     base = _str(MAX_ID_LEN, min_len)
@@ -143,13 +151,10 @@ def _str(max_len: int, min_len: int = 1) -> Checker:
     return check
 
 
-_HEX = frozenset("0123456789abcdef")
-
-
 def _hex(t: str, name: str, v: Any) -> str:
     v = _str(MAX_HASH_LEN, 2)(t, name, v)
     # Lowercase only, so two peers never disagree on the spelling of one hash.
-    if len(v) % 2 or not _HEX.issuperset(v):
+    if len(v) % 2 or not rules.is_lower_hex(v):
         raise _fail(t, name, "expected lowercase hex digest of even length")
     return v
 
@@ -336,21 +341,12 @@ class Config(_Msg):
     overlap: int
 
     type: ClassVar[str] = "config"
+    # Every bound is the run's own rule (daisyweb.rules): one source for the CLI, the
+    # run config, checkpoints and the wire.
     _checks: ClassVar[dict[str, Checker]] = {
-        "width": _dim,
-        "layers": _dim,
-        "heads": _dim,
-        "seq": _dim,
-        "vocab": _dim,
-        "batch": _dim,
-        "steps": _int(1, MAX_STEP),
-        "lr": _float(0.0, 10.0, lo_open=True),
-        "seed": _int(0, MAX_U64),
-        "data": _str(MAX_TEXT_LEN),
-        "sync_every": _int(1, 1 << 20),
-        "codec": _choice("f32", "int8", "int4"),
-        "outer_lr": _float(0.0, 10.0, lo_open=True),
-        "overlap": _int(0, (1 << 20) - 1),
+        **{name: _rule(name) for name in rules.FIELD_RULES},
+        "data": _str(rules.MAX_DATA_LEN),
+        "codec": _choice(*rules.CODEC_NAMES),
     }
 
     @classmethod
@@ -364,11 +360,14 @@ class Config(_Msg):
         return {f.name: getattr(self, f.name) for f in fields(self)}
 
     def _check_cross(self) -> None:
-        if self.width % self.heads:
-            raise _fail(self.type, "heads", f"width {self.width} not divisible by {self.heads}")
-        if self.overlap and self.overlap >= self.sync_every:
-            raise _fail(self.type, "overlap",
-                        f"{self.overlap} not less than sync_every {self.sync_every}")
+        try:
+            rules.check_heads(self.width, self.heads)
+        except ValueError as exc:
+            raise _fail(self.type, "heads", str(exc)) from None
+        try:
+            rules.check_rounds(self.sync_every, self.codec, self.outer_lr, self.overlap)
+        except ValueError as exc:
+            raise _fail(self.type, "overlap", str(exc)) from None
 
 
 @dataclass(frozen=True)

@@ -1,4 +1,5 @@
-"""The shared value rules (daisyweb.rules) agree with the wire Config message."""
+"""The shared value rules (daisyweb.rules) are what the wire Config message checks: the wire
+derives its bounds from them (one source); this keeps the two from drifting if that changes."""
 
 from __future__ import annotations
 
