@@ -8,7 +8,7 @@ libwebrtc gathers every interface's address; both transports get the same namesp
 the comparison is fair). Each measurement moves the same bytes between TWO PROCESSES on
 127.0.0.1 (the receiver is a ``spawn`` child), once per transport where it applies:
 
-* ``wire``: ``Mesh.send`` of a ``wire.Gradient`` (float32 payload) through the signaling
+* ``wire``: ``Mesh.send`` of a ``wire.Contribution`` (float32 payload) through the signaling
   server, msgpack encode, 48 KiB framing, backpressure, reassembly, checksum and decode;
 * ``raw``: one aiortc data channel, the payload cut into 48 KiB messages, with the same
   bufferedAmount high/low marks (SDP exchanged over a pipe, no signaling server);
@@ -137,7 +137,7 @@ async def _wire_receiver(conn: Connection, url: str, rounds: int, count: int, pr
             got = 0
             while got < count:
                 e = await m.next_event()
-                if isinstance(e, Received) and isinstance(e.message, wire.Gradient):
+                if isinstance(e, Received) and isinstance(e.message, wire.Contribution):
                     got += 1
                     sender = e.peer
             await m.send(sender, wire.Halt(step=r, reason="ack"))
@@ -177,7 +177,7 @@ async def _wire_rounds(cfg: Config, rounds: int, profile: bool,
             if isinstance(e, PeerUp):
                 peer = e.peer
                 break
-        msg = wire.Gradient(step=0, sender=m.self_id, payload=_payload(cfg.size))
+        msg = wire.Contribution(step=0, sender=m.self_id, payload=_payload(cfg.size))
         for r in range(rounds + 1):
             if profiler is not None and r == 1:
                 profiler.enable()
@@ -209,7 +209,7 @@ async def _wire_rounds(cfg: Config, rounds: int, profile: bool,
 
 def measure_wire(cfg: Config, transport: str) -> Row:
     rates, _ = asyncio.run(_wire_rounds(cfg, 1, False, transport))
-    return Row(f"{transport}: ours (Mesh.send)", "wire.Gradient, msgpack + 48 KiB frames",
+    return Row(f"{transport}: ours (Mesh.send)", "wire.Contribution, msgpack + 48 KiB frames",
                rates)
 
 
@@ -249,7 +249,7 @@ async def _both_peer(conn: Connection | None, url: str, rounds: int, count: int,
     m = Mesh(url, room=ROOM, name="host" if host else "guest", ice_hosts=[LOOPBACK],
              transport=transport)
     await m.start()
-    msg = wire.Gradient(step=0, sender=m.self_id, payload=_payload(size))
+    msg = wire.Contribution(step=0, sender=m.self_id, payload=_payload(size))
     results: list[float] = []
     proc = None
     try:
@@ -272,7 +272,7 @@ async def _both_peer(conn: Connection | None, url: str, rounds: int, count: int,
             got = done = 0
             while got < count or (host and not done):
                 e = await asyncio.wait_for(m.next_event(), 120)
-                if isinstance(e, Received) and isinstance(e.message, wire.Gradient):
+                if isinstance(e, Received) and isinstance(e.message, wire.Contribution):
                     got += 1
                 elif isinstance(e, Received) and isinstance(e.message, wire.Halt):
                     done += 1
@@ -485,7 +485,7 @@ def codec_ms(size: int, repeats: int = 5) -> tuple[float, float]:
     """Best-of-N ms for our wire's own work on one message: (send side, receive side)."""
     from daisyweb.protocol import framing, wire
 
-    msg = wire.Gradient(step=0, sender="bench", payload=_payload(size))
+    msg = wire.Contribution(step=0, sender="bench", payload=_payload(size))
     tx = rx = float("inf")
     for i in range(repeats):
         t0 = time.perf_counter()

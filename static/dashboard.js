@@ -327,7 +327,7 @@ function drawGroup(info) {
   $("run-state").className = /halted/.test($("run-state").textContent) ? "bad" : "";
   $("step").textContent = latest ? latest.step : "–";
   // Each peer reports the loss of its own batches: the group's loss at a step is their mean
-  // (every roster member's gradient counts equally), not whichever report sorts first.
+  // (every roster member's contribution counts equally), not whichever report sorts first.
   const atTop = latest ? Object.values(reports).filter((r) => r.step === latest.step) : [];
   $("loss").textContent = atTop.length
     ? fmt(atTop.reduce((s, r) => s + r.loss, 0) / atTop.length, 4) : "–";

@@ -149,7 +149,7 @@ class FaultyDriver(Driver):
 
     def _drop(self, peer: str, msg: wire.Message) -> bool:
         m = self.machine
-        if (isinstance(msg, wire.Gradient) and not self._dropped_once
+        if (isinstance(msg, wire.Contribution) and not self._dropped_once
                 and msg.step == self.hooks.drop_gradient
                 and m is not None and msg.sender == m.self_id and peer != m.leader):
             self._dropped_once = True
@@ -164,14 +164,14 @@ class FaultyDriver(Driver):
     def _corrupted(self, msg: wire.Message) -> wire.Message:
         c = self.hooks.corrupt_gradient
         m = self.machine
-        if (c is not None and isinstance(msg, wire.Gradient) and msg.step == c[0]
+        if (c is not None and isinstance(msg, wire.Contribution) and msg.step == c[0]
                 and m is not None and msg.sender == m.self_id):
             data = bytearray(msg.payload)
             if c[1] == "nan":
                 data[0:4] = np.float32(np.nan).tobytes()
             else:
                 del data[-4:]
-            return wire.Gradient(msg.step, msg.sender, bytes(data))
+            return wire.Contribution(msg.step, msg.sender, bytes(data))
         snap = self.hooks.corrupt_snapshot
         if snap is not None and isinstance(msg, wire.Snapshot):
             if snap == "byte":  # one flipped byte, which the follower must catch
@@ -231,9 +231,9 @@ class FaultyDriver(Driver):
         await super()._compute(step, sequences)
 
     # ---- the replay oracle's input: what every member decodes from our bytes
-    async def _gradient_ready(self, m: Any, item: Any, now: float) -> None:
+    async def _contribution_ready(self, m: Any, item: Any, now: float) -> None:
         self._own_payload = None
-        await super()._gradient_ready(m, item, now)
+        await super()._contribution_ready(m, item, now)
         if self.hooks.dump_grads and self._own_payload:
             decoded = self.encoder.decode(self._own_payload, m.replica.size)
             np.save(Path(self.hooks.dump_grads) / f"{m.self_id}-{item.step}.npy", decoded)

@@ -76,15 +76,15 @@ def _speed() -> None:
 def _withhold() -> None:
     from daisyweb.protocol import sync
 
-    real = sync.StepMachine.local_gradient
+    real = sync.StepMachine.local_contribution
 
-    def local_gradient(self: Any, step: int, loss: float, grad: np.ndarray,
-                       now: float = 0.0) -> list:
+    def local_contribution(self: Any, step: int, loss: float, vector: np.ndarray,
+                           now: float = 0.0) -> list:
         if step >= 4:
             return []  # computed, kept to itself
-        return real(self, step, loss, grad, now)
+        return real(self, step, loss, vector, now)
 
-    sync.StepMachine.local_gradient = local_gradient  # type: ignore[method-assign]
+    sync.StepMachine.local_contribution = local_contribution  # type: ignore[method-assign]
 
 
 def _equivocate() -> None:
@@ -94,12 +94,12 @@ def _equivocate() -> None:
     real = driver.Driver._send
 
     def send(self: Any, to: tuple[str, ...] | None, msg: Any) -> None:
-        if isinstance(msg, wire.Gradient) and to and len(to) > 1:
+        if isinstance(msg, wire.Contribution) and to and len(to) > 1:
             last = sorted(to)[-1]
             real(self, tuple(p for p in to if p != last), msg)
             other = bytearray(msg.payload)
             other[-1] = 0x11 if other[-1] == 0 else 0  # other values, still valid bytes
-            real(self, (last,), wire.Gradient(msg.step, msg.sender, bytes(other)))
+            real(self, (last,), wire.Contribution(msg.step, msg.sender, bytes(other)))
             return
         real(self, to, msg)
 

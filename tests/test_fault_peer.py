@@ -17,7 +17,7 @@ from daisyweb.protocol import wire
 from tests.fault_peer import FaultyDriver, Hooks, faulty
 
 ROOT = Path(__file__).resolve().parents[1]
-GRAD = wire.Gradient(2, "me", np.arange(4, dtype=np.float32).tobytes())
+GRAD = wire.Contribution(2, "me", np.arange(4, dtype=np.float32).tobytes())
 
 
 def test_no_product_module_reads_a_test_variable() -> None:
@@ -59,10 +59,10 @@ def _bare(hooks: Hooks) -> FaultyDriver:
 def test_each_switch_touches_only_its_case() -> None:
     d = _bare(Hooks(drop_gradient=2, corrupt_gradient=(2, "short"), corrupt_snapshot="hash"))
     assert not d._drop("lead", GRAD)  # never to the leader, which repairs it
-    assert not d._drop("x", wire.Gradient(1, "me", GRAD.payload))
+    assert not d._drop("x", wire.Contribution(1, "me", GRAD.payload))
     assert d._drop("x", GRAD) and not d._drop("y", GRAD)  # once
     assert len(d._corrupted(GRAD).payload) == len(GRAD.payload) - 4
-    other = wire.Gradient(2, "you", GRAD.payload)
+    other = wire.Contribution(2, "you", GRAD.payload)
     assert d._corrupted(other) is other
     snap = wire.Snapshot(0, "0f" * 32, b"abc")
     bad = d._corrupted(snap)

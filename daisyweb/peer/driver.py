@@ -43,14 +43,14 @@ from daisyweb.peer.datafeed import DataFeed
 from daisyweb.peer.exchange import (
     RecordingEncoder,
     Trainer,
-    machine_steps,
+    exchange_count,
     make_trainer,
     mode,
     unit,
 )
 from daisyweb.peer.items import (
-    GradientFailed,
-    GradientReady,
+    ContributionFailed,
+    ContributionReady,
     Interrupt,
     Item,
     MeshItem,
@@ -238,7 +238,7 @@ class Driver:
     def _machine(self, leader: str, term: int = 0) -> sync.StepMachine:
         assert self.state is not None and self.replica is not None
         self.machine = sync.StepMachine(
-            self.mesh.self_id, self.replica, machine_steps(self.state.run), probe_hash,
+            self.mesh.self_id, self.replica, exchange_count(self.state.run), probe_hash,
             leader=leader, repair_after=self.opts.repair_after,
             join_timeout=self.opts.join_timeout, version=self.version, codec=self.encoder,
             # Capacity-weighted batches are the leader's choice; a follower learns the
@@ -384,11 +384,11 @@ class Driver:
             self._send(None, wire.Following("", 0))
         elif isinstance(item, Tick):
             await self._do(m.tick(now))
-        elif isinstance(item, GradientReady):
+        elif isinstance(item, ContributionReady):
             if item.generation != self.generation:
                 return  # computed for the machine before a rejoin
-            await self._gradient_ready(m, item, now)
-        elif isinstance(item, GradientFailed):
+            await self._contribution_ready(m, item, now)
+        elif isinstance(item, ContributionFailed):
             if m.done or item.step != m.boundary or item.generation != self.generation:
                 return  # stale: the step was rolled forward while this one computed
             exc = item.error
@@ -398,15 +398,15 @@ class Driver:
         elif isinstance(item, MeshItem):
             await self._mesh_event(m, item, now)
 
-    async def _gradient_ready(self, m: sync.StepMachine, item: GradientReady,
-                              now: float) -> None:
+    async def _contribution_ready(self, m: sync.StepMachine, item: ContributionReady,
+                                  now: float) -> None:
         step, contribution = item.step, item.contribution
-        self.report.gradient_ready(step, item.secs, now, contribution.head_steps)
+        self.report.contribution_ready(step, item.secs, now, contribution.head_steps)
         if item.secs > 0 and item.sequences:
             m.speed = item.sequences / item.secs  # published with our next hashes
         self.trainer.stage(contribution)
         current = not m.done and step == m.boundary
-        actions = m.local_gradient(step, contribution.loss, contribution.vector, now)
+        actions = m.local_contribution(step, contribution.loss, contribution.vector, now)
         await self._do(actions)
         if current and self.result is None:
             # The head start needs our end weights and moments, not the delta (sent and
@@ -534,13 +534,13 @@ class Driver:
                                                       self._batch_fn(n))
         except Exception as exc:
             # Any failure here (a kernel refusing a NaN activation, a bug) must halt the
-            # group: a peer that silently never sends its gradient stalls everyone.
-            await self.queue.put(GradientFailed(step, exc, generation))
+            # group: a peer that silently never sends its contribution stalls everyone.
+            await self.queue.put(ContributionFailed(step, exc, generation))
             return
         secs = time.perf_counter() - t0 + self.report.head_secs(step if head else None)
         # Sequences per second of this contribution: the leader's next shares use it.
-        await self.queue.put(GradientReady(step, contribution, secs,
-                                           n * self.trainer.steps_in(step), generation))
+        await self.queue.put(ContributionReady(step, contribution, secs,
+                                               n * self.trainer.steps_in(step), generation))
 
     def _batch_fn(self, rows: int) -> BatchFn:
         """The batches of a share of ``rows`` sequences per inner step."""

@@ -11,7 +11,7 @@ from daisyweb.training.config import RunConfig
 from daisyweb.training.rounds import LockstepTrainer, RoundTrainer, round_count
 from daisyweb.training.state import TrainState
 
-__all__ = ["RecordingEncoder", "Trainer", "machine_steps", "make_trainer", "mode", "unit"]
+__all__ = ["RecordingEncoder", "Trainer", "exchange_count", "make_trainer", "mode", "unit"]
 
 Trainer = LockstepTrainer | RoundTrainer
 
@@ -61,6 +61,7 @@ def unit(run: RunConfig) -> str:
     return "step" if run.sync_every == 1 else "round"
 
 
-def machine_steps(run: RunConfig) -> int:
-    """What the step machine counts to: steps in lockstep, rounds otherwise."""
+def exchange_count(run: RunConfig) -> int:
+    """The run's exchanges, i.e. the step machine's steps it counts to: its optimizer
+    steps in lockstep, its rounds otherwise."""
     return run.steps if run.sync_every == 1 else round_count(run.steps, run.sync_every)

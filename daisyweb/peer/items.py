@@ -8,12 +8,12 @@ from daisyweb.net import MeshEvent, Received
 from daisyweb.protocol import wire
 from daisyweb.training.rounds import Contribution
 
-__all__ = ["GradientFailed", "GradientReady", "Interrupt", "Item", "MeshItem", "Tick",
+__all__ = ["ContributionFailed", "ContributionReady", "Interrupt", "Item", "MeshItem", "Tick",
            "is_hello"]
 
 
 @dataclass(frozen=True)
-class GradientReady:
+class ContributionReady:
     """The worker computed our contribution of ``step`` in ``secs`` seconds."""
 
     step: int
@@ -24,7 +24,7 @@ class GradientReady:
 
 
 @dataclass(frozen=True)
-class GradientFailed:
+class ContributionFailed:
     """The worker's computation of ``step`` raised ``error``."""
 
     step: int
@@ -49,7 +49,7 @@ class MeshItem:
     event: MeshEvent
 
 
-Item = GradientReady | GradientFailed | Tick | Interrupt | MeshItem
+Item = ContributionReady | ContributionFailed | Tick | Interrupt | MeshItem
 
 
 def is_hello(item: Item) -> bool:

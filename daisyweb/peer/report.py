@@ -18,7 +18,7 @@ import numpy as np
 
 from daisyweb.checkpoints.checkpoint import CheckpointError, TokenizerInfo, save_checkpoint
 from daisyweb.peer.exchange import RecordingEncoder, Trainer, mode
-from daisyweb.peer.machine import machine_info
+from daisyweb.peer.hardware import hardware_info
 from daisyweb.peer.options import PeerOptions, log
 from daisyweb.protocol import sync
 from daisyweb.training.evaluate import heldout_batches, heldout_loss
@@ -69,11 +69,11 @@ class Report:
         self.last_heldout: tuple[float, int] | None = None
         self._eval_batches: list[np.ndarray] | None = None
         # The pool view (issue 15): this machine, sent with every report.
-        self.machine = machine_info()
+        self.hardware = hardware_info()
         self.last_pool: dict[str, Any] = {}
         self.step_t0: dict[int, float] = {}
         self.compute_s: dict[int, float] = {}
-        self.grad_ready: dict[int, float] = {}
+        self.ready_at: dict[int, float] = {}
         self.head_steps: dict[int, int] = {}
         # Head starts (--overlap) by round: started, and when done: (seconds, finished at).
         self.heads: dict[int, tuple[float, float] | None] = {}
@@ -113,12 +113,12 @@ class Report:
         done = self.heads[step + 1]
         return now if done is None else max(ready, done[1])
 
-    def gradient_ready(self, step: int, compute_s: float, now: float,
+    def contribution_ready(self, step: int, compute_s: float, now: float,
                        head_steps: int = 0) -> None:
         """Our contribution of ``step`` is computed; the exchange starts."""
         self.compute_s[step] = compute_s
         self.head_steps[step] = head_steps
-        self.grad_ready[step] = now
+        self.ready_at[step] = now
 
     async def commit(self, c: sync.Commit, trainer: Trainer, state: TrainState,
                      encoder: RecordingEncoder, total: int, status: StatusSink) -> None:
@@ -130,7 +130,7 @@ class Report:
         inner = trainer.steps_in(c.step)
         tokens = run.batch * run.model.seq * len(c.roster) * inner
         t0 = self.step_t0.pop(c.step, now)
-        ready = self.grad_ready.pop(c.step, now)
+        ready = self.ready_at.pop(c.step, now)
         compute_s = self.compute_s.pop(c.step, 0.0)
         head_steps = self.head_steps.pop(c.step, 0)
         # comm_s: the exchange's time not hidden behind the next round's head start
@@ -212,7 +212,7 @@ class Report:
         share of the batch and its own speed, the ETA, and its links' round-trip times."""
         assert self.progress is not None
         pool: dict[str, Any] = {
-            **self.machine, "backend": kernel_backend(), "share": share,
+            **self.hardware, "backend": kernel_backend(), "share": share,
             "peer_tokens_per_s": own_tokens / compute_s if compute_s > 0 else 0.0,
             "total_steps": state.run.steps,
         }

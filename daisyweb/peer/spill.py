@@ -94,30 +94,30 @@ class SpillArchive:
         self.directory = directory or spill_dir()
         self.failed = False  # said once: later steps stay in memory quietly
 
-    def keep(self, step: int, grads: dict[str, bytes]) -> Mapping[str, bytes]:
+    def keep(self, step: int, payloads: dict[str, bytes]) -> Mapping[str, bytes]:
         try:
             file = tempfile.TemporaryFile(dir=self.directory, prefix="daisyweb-repair-")
         except OSError as exc:
-            return self._in_memory(grads, exc)
+            return self._in_memory(payloads, exc)
         where: dict[str, tuple[int, int, int]] = {}
         offset = 0
         try:
-            for sender, payload in grads.items():
+            for sender, payload in payloads.items():
                 file.write(payload)
                 where[sender] = (offset, len(payload), _digest(payload))
                 offset += len(payload)
             file.flush()
         except OSError as exc:
             file.close()
-            return self._in_memory(grads, exc)
+            return self._in_memory(payloads, exc)
         return SpilledPayloads(file, where)
 
-    def _in_memory(self, grads: dict[str, bytes], exc: OSError) -> dict[str, bytes]:
+    def _in_memory(self, payloads: dict[str, bytes], exc: OSError) -> dict[str, bytes]:
         if not self.failed:
             self.failed = True
             log(f"cannot keep repair payloads in {self.directory} ({exc}); "
                 f"keeping them in memory")
-        return dict(grads)
+        return dict(payloads)
 
 
 class Spooler:

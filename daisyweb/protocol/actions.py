@@ -60,7 +60,8 @@ class Send:
 
 @dataclass(frozen=True)
 class Compute:
-    """Compute the local gradient for ``step``; answer with ``local_gradient``.
+    """Compute this member's contribution to ``step``; answer with
+    ``StepMachine.local_contribution``.
 
     ``sequences`` is this member's share of the step's sequences (0: the run's batch).
     """

@@ -1,6 +1,7 @@
-"""Gradient averaging in roster order: the one reduction whose order replicas must share.
+"""Averaging contributions in roster order: the one reduction whose order replicas must
+share.
 
-Every member receives the same gradient bytes and must produce the same average bit for
+Every member receives the same contribution bytes and must produce the same average bit for
 bit. numpy's ``sum``/``mean`` over a stacked array may reorder additions (pairwise, SIMD
 lanes), so the average is written as explicit elementwise float32 additions in roster
 order, then one multiplication by ``float32(1 / n)`` (computed in binary64, rounded once).
@@ -23,7 +24,8 @@ _F32 = np.dtype(np.float32)
 
 
 class GradientError(ValueError):
-    """A gradient that must not be averaged: wrong dtype, length, or non-finite values."""
+    """A gradient or contribution that must not be used: wrong dtype, length, or
+    non-finite values."""
 
 
 def check_gradient(grad: object, size: int, who: str = "gradient") -> np.ndarray:
@@ -38,11 +40,12 @@ def check_gradient(grad: object, size: int, who: str = "gradient") -> np.ndarray
     return np.ascontiguousarray(grad)
 
 
-def average_in_roster_order(grads: Iterable[np.ndarray], *, owned: bool = False) -> np.ndarray:
+def average_in_roster_order(vectors: Iterable[np.ndarray], *,
+                            owned: bool = False) -> np.ndarray:
     """``f32(1/n) * (((g0 + g1) + g2) + ...)``, every operation elementwise float32.
 
-    All gradients must already be validated float32 vectors of one length. They are
-    read one at a time, in order: ``grads`` may be a generator that decodes each only
+    All contributions must already be validated float32 vectors of one length. They are
+    read one at a time, in order: ``vectors`` may be a generator that decodes each only
     when it is added, and each is let go once added: then only the sum and the vector
     being added are held (a commit at the demo default held a third 5.3 MB vector, the one
     added before). With ``owned`` they are the caller's to give up (freshly decoded): the
@@ -51,7 +54,7 @@ def average_in_roster_order(grads: Iterable[np.ndarray], *, owned: bool = False)
     """
     total: np.ndarray | None = None
     n = 0
-    for g in grads:
+    for g in vectors:
         _check_same(g, total)
         if total is None:
             total = g if owned else g.copy()
@@ -72,7 +75,7 @@ def _check_same(g: object, total: np.ndarray | None) -> None:
         raise GradientError("all gradients must be float32 arrays of the same shape")
 
 
-def weighted_average_in_roster_order(grads: Iterable[np.ndarray], shares: Sequence[int], *,
+def weighted_average_in_roster_order(vectors: Iterable[np.ndarray], shares: Sequence[int], *,
                                      owned: bool = False) -> np.ndarray:
     """The full-batch mean of contributions over ``shares[i]`` sequences each.
 
@@ -81,17 +84,17 @@ def weighted_average_in_roster_order(grads: Iterable[np.ndarray], shares: Sequen
     ``f32(1/T) * (((f32(n_0) g_0 + f32(n_1) g_1) + f32(n_2) g_2) + ...)``, every operation
     elementwise float32 in roster order. Equal shares are the plain mean, computed as
     :func:`average_in_roster_order` does (bit for bit what capacity off computes).
-    ``grads`` is read one at a time, as there; with ``owned`` each is scaled in its own
+    ``vectors`` is read one at a time, as there; with ``owned`` each is scaled in its own
     buffer (no scratch vector) and the first becomes the sum.
     """
-    _check_shares(shares, len(grads) if isinstance(grads, Sized) else None)
+    _check_shares(shares, len(vectors) if isinstance(vectors, Sized) else None)
     if len(set(int(n) for n in shares)) <= 1:
-        return _counted(lambda gs: average_in_roster_order(gs, owned=owned), grads,
+        return _counted(lambda gs: average_in_roster_order(gs, owned=owned), vectors,
                         len(shares))
     total: np.ndarray | None = None
     scaled: np.ndarray | None = None
     count = 0
-    for g in grads:
+    for g in vectors:
         if count >= len(shares):
             raise GradientError(f"{len(shares)} shares for more contributions")
         _check_same(g, total)
@@ -177,13 +180,13 @@ def _check_shares(shares: Sequence[int], count: int | None) -> None:
 
 
 def _counted(average: Callable[[Iterable[np.ndarray]], np.ndarray],
-             grads: Iterable[np.ndarray], expected: int) -> np.ndarray:
-    """``average(grads)``, refusing unless exactly ``expected`` gradients were read."""
+             vectors: Iterable[np.ndarray], expected: int) -> np.ndarray:
+    """``average(vectors)``, refusing unless exactly ``expected`` vectors were read."""
     seen = 0
 
     def counting() -> Iterator[np.ndarray]:
         nonlocal seen
-        for g in grads:
+        for g in vectors:
             seen += 1
             yield g
             del g  # not held while the next one is decoded

@@ -4,8 +4,8 @@ budget derived from it.
 The largest message any member of a run ever sends is a ``Snapshot``: the checkpoint of
 the weights and both Adam moments (12 bytes per parameter) plus the ``.pt`` container
 and the message envelope (measured: 12.00P + 18 KB at the demo default and the 5.8 M
-model). :func:`largest_message` bounds it with room to spare (13P + 1 MiB); gradients
-(4P f32, P + 4P/256 int8) and every other message are smaller.
+model). :func:`largest_message` bounds it with room to spare (13P + 1 MiB); contributions
+(4P f32, P + 4P/256 int8, P/2 + 4P/64 int4) and every other message are smaller.
 
 An honest link holds at most one message being reassembled at a time (a sender puts out
 one message per link at a time; heartbeats are single frames), so a link's receive

@@ -7,17 +7,17 @@ sync guard (``judge.judge``) and names the roster; in flight it amends a dead me
 
 Failures
 --------
-- Repair: a member missing a roster gradient ``repair_after`` seconds after it sent its
-  own asks the leader (``RepairRequest``). The leader keeps the raw payloads of the last
-  ``history`` steps and resends them bit-exact (a ``Gradient`` whose ``sender`` is the
-  original sender, relayed by the leader -- the only relay accepted). A leader missing
-  a live member's gradient asks that member, which resends its own.
-- Amendment: if the leader lacks the gradient too and its sender is down, it re-issues
+- Repair: a member missing a roster member's contribution ``repair_after`` seconds after
+  it sent its own asks the leader (``RepairRequest``). The leader keeps the raw payloads
+  of the last ``history`` steps and resends them bit-exact (a ``Contribution`` whose
+  ``sender`` is the original sender, relayed by the leader -- the only relay accepted).
+  A leader missing a live member's contribution asks that member, which resends its own.
+- Amendment: if the leader lacks the contribution too and its sender is down, it re-issues
   ``Roster(b, members - {dead})``; everyone averages over the amended roster. A member
   that already committed step ``b`` with the old roster rolls back to its backup of
   boundary ``b`` (kept until the next roster confirms the step) and recommits.
 - Dead follower: removed from the participants, so absent from the next roster; the
-  step in flight is completed by amendment if its gradient never arrived.
+  step in flight is completed by amendment if its contribution never arrived.
 - Leader loss: every survivor picks the same successor -- the first live peer after the
   old leader in the last roster's order (cyclic) -- and that peer carries on from its
   last committed step, re-issuing the roster of the step in flight (amended if needed).
@@ -79,9 +79,10 @@ class LeaderDuties:
         _valid_hashes: Callable[[int], dict[str, tuple[str, str]]]
 
     def _request_repairs(self, out: list[Action], st: InFlight, now: float) -> None:
-        """Ask for each roster gradient still missing (at most once per ``repair_after``)."""
+        """Ask for each roster member's contribution still missing (at most once per
+        ``repair_after``)."""
         for p in st.roster or ():
-            if p in st.grads:
+            if p in st.payloads:
                 continue
             last = st.requested.get(p)
             if last is not None and now - last < self.repair_after:
@@ -103,14 +104,16 @@ class LeaderDuties:
     ) -> None:
         st = self._ledger.get(msg.step)
         if not self.is_leader:
-            # A follower only resends its own gradient (the leader asks when it lacks it).
-            own = st.grads.get(self.self_id) if st else None
+            # A follower only resends its own contribution (the leader asks when it lacks
+            # it).
+            own = st.payloads.get(self.self_id) if st else None
             if msg.sender_of_missing == self.self_id and peer == self.leader and own:
-                out.append(Send((peer,), wire.Gradient(msg.step, self.self_id, own)))
+                out.append(Send((peer,), wire.Contribution(msg.step, self.self_id, own)))
             return
         payload = self._ledger.payload(msg.step, msg.sender_of_missing)
         if payload is not None:
-            out.append(Send((peer,), wire.Gradient(msg.step, msg.sender_of_missing, payload)))
+            out.append(Send((peer,), wire.Contribution(msg.step, msg.sender_of_missing,
+                                                       payload)))
         elif msg.step == self.boundary and not self.members.alive(msg.sender_of_missing):
             self._amend(out, msg.step, msg.sender_of_missing, now)
 
@@ -118,7 +121,7 @@ class LeaderDuties:
                why: str = "") -> None:
         """Name ``step``'s roster again without ``dead`` (left, or late: ``why``)."""
         st = self._ledger.get(step)
-        if st is None or st.roster is None or dead not in st.roster or dead in st.grads:
+        if st is None or st.roster is None or dead not in st.roster or dead in st.payloads:
             return
         members = tuple(p for p in st.roster if p != dead)
         if not members:
@@ -140,7 +143,7 @@ class LeaderDuties:
         limit = self.deadline.seconds()
         if now - st.named_at < limit:
             return
-        for p in [p for p in st.roster if p not in st.grads and self.members.alive(p)]:
+        for p in [p for p in st.roster if p not in st.payloads and self.members.alive(p)]:
             if p == self.self_id:
                 continue  # our own comes when it comes: we are the one who waits
             self._amend(out, b, p, now, f"{p} missed the deadline of {self.unit} {b} "
@@ -155,14 +158,14 @@ class LeaderDuties:
             # Step in flight: a member that died before sending is amended away.
             if st is not None and st.roster is not None:
                 for p in st.roster:
-                    if not self.members.alive(p) and p not in st.grads:
+                    if not self.members.alive(p) and p not in st.payloads:
                         self._amend(out, b, p, now)
                         return
             return
         if st is not None and st.roster is not None:
             # We took over mid-step: re-issue the roster we were working on.
             self._published.add(b)
-            members = tuple(p for p in st.roster if self.members.alive(p) or p in st.grads)
+            members = tuple(p for p in st.roster if self.members.alive(p) or p in st.payloads)
             shares = _kept_shares(st, members)
             roster = wire.Roster(b, members, shares, self.term)
             out.append(Send(self.members.others(members), roster))

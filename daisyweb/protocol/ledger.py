@@ -1,7 +1,7 @@
 """The steps one step machine keeps: in flight, committed, and the rosters it was sent.
 
 :class:`InFlight` is everything known about one step not yet forgotten (roster, the raw
-gradient payloads by sender, repair timers). :class:`StepLedger` holds them with the
+contribution payloads by sender, repair timers). :class:`StepLedger` holds them with the
 rosters each committed step used and the rosters seen per (sender, step), and forgets
 what no repair or rollback can need once a step commits. A leader's payloads of older
 committed steps, kept only to repair a member that fell behind, may go to an
@@ -27,8 +27,8 @@ behind asks to have repaired). Older ones go to the ledger's :class:`Archive`.""
 class Archive(Protocol):
     """Where a leader's payloads of older committed steps are kept for repair."""
 
-    def keep(self, step: int, grads: dict[str, bytes]) -> Mapping[str, bytes]:
-        """``grads`` kept elsewhere: a mapping that gives each payload back, or gives
+    def keep(self, step: int, payloads: dict[str, bytes]) -> Mapping[str, bytes]:
+        """``payloads`` kept elsewhere: a mapping that gives each payload back, or gives
         nothing (``get`` returns None) for one it can no longer give intact."""
         ...
 
@@ -39,7 +39,7 @@ class InFlight:
 
     roster: tuple[str, ...] | None = None
     shares: tuple[int, ...] = ()  # sequences per roster member (empty: equal batches)
-    grads: dict[str, bytes] = field(default_factory=dict)  # sender -> payload as received
+    payloads: dict[str, bytes] = field(default_factory=dict)  # sender -> bytes as received
     unchecked: set[str] = field(default_factory=set)  # arrived before the roster
     own_sent_at: float | None = None
     named_at: float | None = None  # when this peer took the roster (the leader: named it)
@@ -68,8 +68,8 @@ class StepLedger:
     def payload(self, step: int, sender: str) -> bytes | None:
         """``sender``'s payload of ``step`` if still kept (in memory or archived)."""
         s = self.steps.get(step)
-        if s is not None and sender in s.grads:
-            return s.grads[sender]
+        if s is not None and sender in s.payloads:
+            return s.payloads[sender]
         archived = self.archived.get(step)
         return archived.get(sender) if archived is not None else None
 
@@ -83,9 +83,9 @@ class StepLedger:
         return wire.roster_digest(self.committed.get(b - 1),
                                   self.committed_shares.get(b - 1, ()))
 
-    def forget_before(self, step: int, history: int, keep_grads: bool) -> None:
-        """After committing ``step``: keep ``history`` steps of rosters and gradients
-        (``keep_grads``: the leader resends them) and the rest only for a rollback."""
+    def forget_before(self, step: int, history: int, keep_payloads: bool) -> None:
+        """After committing ``step``: keep ``history`` steps of rosters and payloads
+        (``keep_payloads``: the leader resends them) and the rest only for a rollback."""
         for old in [k for k in self.committed if k < step - history]:
             del self.committed[old]
             self.committed_shares.pop(old, None)
@@ -95,14 +95,14 @@ class StepLedger:
             del self.archived[old]
         for key in [k for k in self.rosters_seen if k[1] < step]:
             del self.rosters_seen[key]
-        if not keep_grads:
+        if not keep_payloads:
             # Followers never resend; keep only the step for a possible rollback.
             for k, s in self.steps.items():
                 if k < step:
-                    s.grads = {}
+                    s.payloads = {}
         elif self.archive is not None:
             # Only a member that fell behind asks for these: out of memory they go.
             for k, s in self.steps.items():
-                if k <= step - HOT_STEPS and s.grads:
-                    self.archived[k] = self.archive.keep(k, s.grads)
-                    s.grads = {}
+                if k <= step - HOT_STEPS and s.payloads:
+                    self.archived[k] = self.archive.keep(k, s.payloads)
+                    s.payloads = {}

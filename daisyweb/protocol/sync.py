@@ -1,39 +1,43 @@
 """The group step protocol as a pure state machine (no asyncio, no sockets, no clock).
 
 One :class:`StepMachine` per peer. The driver (``daisyweb.peer``) feeds it events --
-a message from a peer, a peer going down or coming up, the local gradient being ready,
-a timer tick -- and carries out the actions it returns (``daisyweb.protocol.actions``:
+a message from a peer, a peer going down or coming up, the local contribution being
+ready, a timer tick -- and carries out the actions it returns (``daisyweb.protocol.actions``:
 :class:`Send`, :class:`Compute`, :class:`Commit`, :class:`SendSnapshot`,
 :class:`Excluded`, :class:`Finish`, :class:`Stopped`). Every event method takes ``now``
 (seconds, any monotonic origin) so timeouts are deterministic in tests.
 
 The machine is in one :class:`Phase` at a time (``machine.phase``): ``WAITING`` for the
-boundary's hashes (leader) or roster (follower), ``COMPUTING`` its own gradient,
-``COLLECTING`` the roster's other gradients, then (the step committed) ``WAITING`` at the
-next boundary; ``FINISHED`` and ``HALTED`` are final. The pieces it owns: who is in the
-group (``membership.Membership``), the hashes seen (``hashes.HashBook``), the leader's
-sync guard (``judge.judge``) and the gradient codec (``codec.Codec``, ``F32`` by
-default), used both to accept a payload and to decode it for the roster-order sum, so
-every member sums the decoded values of the same bytes, its own included.
+boundary's hashes (leader) or roster (follower), ``COMPUTING`` its own contribution,
+``COLLECTING`` the roster's other contributions, then (the step committed) ``WAITING`` at
+the next boundary; ``FINISHED`` and ``HALTED`` are final. The pieces it owns: who is in
+the group (``membership.Membership``), the hashes seen (``hashes.HashBook``), the leader's
+sync guard (``judge.judge``) and the contribution codec (``codec.Codec``, ``F32`` unless
+the driver gives the run's), used both to accept a payload and to decode it for the
+roster-order sum, so every member sums the decoded values of the same bytes, its own
+included.
 
 Steps and boundaries
 --------------------
-``replica.step`` is the number of committed updates: the *boundary* ``b``. Step ``b`` is
-the update that takes the weights from boundary ``b`` to ``b + 1``. Per step:
+One step of the machine is one exchange: a round of local steps in the default mode (a
+member's contribution is its round delta), one optimizer step in lockstep (a member's
+contribution is its gradient). ``replica.step`` is the number of committed updates: the
+*boundary* ``b``. Step ``b`` is the update that takes the weights from boundary ``b`` to
+``b + 1``. Per step:
 
 1. At boundary ``b`` every participant publishes ``StepHashes(b, weight_hash,
-   probe_hash)`` to everyone. The probe is run *before* the peer's next gradient is
-   computed, so a broken kernel is caught before that gradient can be used.
+   probe_hash)`` to everyone. The probe is run *before* the peer's next contribution is
+   computed, so a broken kernel is caught before that contribution can be used.
 2. The leader waits for the hashes of every live participant (and of peers joining at
    this boundary). Any weight-hash mismatch halts the run, naming the peers that differ
    from the majority. A probe hash that differs from the majority gets that peer
    excluded (it is told with a ``Halt`` addressed to it alone). Then the leader names
    the roster: ``Roster(b, members)``, members in a fixed order (the order of joining).
-3. Each member computes its gradient and sends ``Gradient(b, self, payload)`` to every
-   other member. A member waits for *exactly* the roster's gradients; a wrong length or
-   any NaN/Inf halts the run at step ``b`` with the replica untouched. When all are
-   present they are summed in roster order (``average_parts_in_roster_order``) and applied:
-   the step is committed only then. Never a partial average.
+3. Each member computes its contribution and sends ``Contribution(b, self, payload)`` to
+   every other member. A member waits for *exactly* the roster's contributions; a wrong
+   length or any NaN/Inf halts the run at step ``b`` with the replica untouched. When all
+   are present they are summed in roster order (``average_parts_in_roster_order``) and
+   applied: the step is committed only then. Never a partial average.
 4. Followers check every hash published by a member of the last roster against their
    own; any mismatch halts (each peer independently, so a fork stops everyone even if
    the leader's ``Halt`` is lost).
@@ -91,7 +95,7 @@ __all__ = [
     "successor",
 ]
 
-HISTORY = 8  # steps of gradients the leader keeps for repair
+HISTORY = 8  # steps of contributions the leader keeps for repair
 ROSTER_WINDOW = 2  # rosters kept this many steps past our boundary (a new leader's)
 
 
@@ -99,8 +103,8 @@ class Phase(Enum):
     """Where one peer's machine is in the step at its boundary."""
 
     WAITING = "waiting"  # for the boundary's hashes (leader) or its roster (follower)
-    COMPUTING = "computing"  # the local gradient of the boundary's step
-    COLLECTING = "collecting"  # own gradient in; the roster's others still missing
+    COMPUTING = "computing"  # our own contribution to the boundary's step
+    COLLECTING = "collecting"  # own contribution in; the roster's others still missing
     FINISHED = "finished"  # the last step committed with every member's hashes agreeing
     HALTED = "halted"  # stopped; the replica is a valid (last committed) state
     CUT_OFF = "cut off"  # cut off from the majority: the peer rejoins as a joiner
@@ -108,7 +112,7 @@ class Phase(Enum):
 
 class StepMachine(LeaderDuties, HashDuties):
     """One peer's view of the step protocol (see module docstring); the leader's duties
-    and gradient repair are in ``daisyweb.protocol.leading``, hash publishing and fork
+    and contribution repair are in ``daisyweb.protocol.leading``, hash publishing and fork
     checks in ``daisyweb.protocol.hashes``."""
 
     def __init__(
@@ -226,26 +230,27 @@ class StepMachine(LeaderDuties, HashDuties):
         self._progress(out, now)
         return out
 
-    def local_gradient(
-        self, step: int, loss: float, grad: np.ndarray, now: float = 0.0
+    def local_contribution(
+        self, step: int, loss: float, vector: np.ndarray, now: float = 0.0
     ) -> list[Action]:
-        """The driver finished a :class:`Compute` for ``step``."""
+        """The driver finished a :class:`Compute` for ``step``: ``vector`` is this
+        member's contribution (its round delta, or its gradient in lockstep)."""
         out: list[Action] = []
         if step != self.boundary or self.phase is not Phase.COMPUTING:
             return out  # stale (e.g. the step was rolled forward by an amendment)
         st = self._ledger.steps[step]
         st.computing = False
-        payload = self.codec.encode(grad)
+        payload = self.codec.encode(vector)
         self._losses[step] = float(loss)
-        # Our own gradient goes through the same checks as everyone else's: a local
+        # Our own contribution goes through the same checks as everyone else's: a local
         # NaN halts here before anything leaves the machine.
-        if not self._accept_gradient(out, step, self.self_id, payload):
+        if not self._accept_contribution(out, step, self.self_id, payload):
             return out
         st.own_sent_at = now
         st.arrived.setdefault(self.self_id, now)
         others = tuple(p for p in st.roster or () if p != self.self_id)
         if others:
-            out.append(Send(others, wire.Gradient(step, self.self_id, payload)))
+            out.append(Send(others, wire.Contribution(step, self.self_id, payload)))
         self._progress(out, now)
         return out
 
@@ -268,12 +273,12 @@ class StepMachine(LeaderDuties, HashDuties):
                 self._ledger.rosters_seen[(peer, msg.step)] = (msg.members, msg.shares,
                                                                msg.term)
             self._roster_from(out, peer, msg, now)
-        elif isinstance(msg, wire.Gradient):
-            self._on_gradient(out, peer, msg, now)
+        elif isinstance(msg, wire.Contribution):
+            self._on_contribution(out, peer, msg, now)
         elif isinstance(msg, wire.RepairRequest):
             self._on_repair_request(out, peer, msg, now)
         elif isinstance(msg, wire.Halt):
-            # Any participant may stop the group: one that refused a gradient is the
+            # Any participant may stop the group: one that refused a contribution is the
             # only one that knows (the sender's own copy may be fine). Joiners may not.
             if peer == self.leader or peer in self.members.participants:
                 self._stop(out, msg.step, f"{peer}: {msg.reason}", broadcast=False)
@@ -282,7 +287,7 @@ class StepMachine(LeaderDuties, HashDuties):
         return out
 
     def halt(self, step: int, reason: str) -> list[Action]:
-        """This peer cannot go on (e.g. its gradient computation failed): tell the group
+        """This peer cannot go on (e.g. computing its contribution failed): tell the group
         and stop at ``step`` with the state untouched."""
         out: list[Action] = []
         self._stop(out, step, reason, broadcast=True)
@@ -400,7 +405,7 @@ class StepMachine(LeaderDuties, HashDuties):
                 self._lost(out, peer, now)
                 if self.is_leader:
                     st = self._ledger.get(self.boundary)
-                    if st is not None and st.roster is not None and peer not in st.grads:
+                    if st is not None and st.roster is not None and peer not in st.payloads:
                         self._amend(out, self.boundary, peer, now)
                     if peer not in self.members.excluded:
                         self.members.came_up(peer, now)  # a joiner from now on
@@ -518,7 +523,7 @@ class StepMachine(LeaderDuties, HashDuties):
             if not set(members) <= set(old):
                 self._stop(out, step, f"roster of {self.unit} {step} changed to add members", True)
                 return
-            st.grads = {p: g for p, g in st.grads.items() if p in members}
+            st.payloads = {p: g for p, g in st.payloads.items() if p in members}
         st.roster = members
         st.shares = shares
         if st.named_at is None:
@@ -526,21 +531,21 @@ class StepMachine(LeaderDuties, HashDuties):
         self._last_roster = members
         self._had_roster = True
         self._left.difference_update(members)  # named again: members again
-        # Gradients received before the roster from non-members are dropped now; the
+        # Contributions received before the roster from non-members are dropped now; the
         # members' are checked now (a bad one from a member halts, as it would later).
-        st.grads = {p: g for p, g in st.grads.items() if p in members}
-        for p in [p for p in st.unchecked if p in st.grads]:
-            payload = st.grads.pop(p)
-            if not self._accept_gradient(out, step, p, payload):
+        st.payloads = {p: g for p, g in st.payloads.items() if p in members}
+        for p in [p for p in st.unchecked if p in st.payloads]:
+            payload = st.payloads.pop(p)
+            if not self._accept_contribution(out, step, p, payload):
                 return
         st.unchecked.clear()
-        if self.self_id in members and self.self_id not in st.grads and not st.computing:
+        if self.self_id in members and self.self_id not in st.payloads and not st.computing:
             st.computing = True
             mine = shares[members.index(self.self_id)] if shares else 0
             out.append(Compute(step, mine))
 
-    def _on_gradient(self, out: list[Action], peer: str, msg: wire.Gradient,
-                     now: float = 0.0) -> None:
+    def _on_contribution(self, out: list[Action], peer: str, msg: wire.Contribution,
+                         now: float = 0.0) -> None:
         relayed = msg.sender != peer
         if relayed and peer != self.leader:
             return  # only the leader repairs
@@ -548,30 +553,32 @@ class StepMachine(LeaderDuties, HashDuties):
         if s != self.boundary:
             return  # too old (committed) or too new (cannot happen on ordered channels)
         st = self._ledger.open(s)
-        if msg.sender in st.grads or msg.sender == self.self_id:
+        if msg.sender in st.payloads or msg.sender == self.self_id:
             return
         if st.roster is None:
-            # No roster yet: the gradient waits, unchecked, for it (one per sender, and a
+            # No roster yet: the contribution waits, unchecked, for it (one per sender, and a
             # sender is the peer on the link unless the leader relays). Then a member's
             # is checked and anyone else's (a joiner that never confirmed its snapshot,
             # a stranger) is dropped unread, so it cannot halt the group.
-            st.grads[msg.sender] = msg.payload
+            st.payloads[msg.sender] = msg.payload
             st.unchecked.add(msg.sender)
             return
         if msg.sender not in st.roster:
             return
-        if self._accept_gradient(out, s, msg.sender, msg.payload) and not relayed:
+        if self._accept_contribution(out, s, msg.sender, msg.payload) and not relayed:
             st.arrived.setdefault(msg.sender, now)
 
-    def _accept_gradient(self, out: list[Action], step: int, sender: str, payload: bytes) -> bool:
-        """Validate (decode) and store one gradient; halt (state untouched) if it is bad."""
+    def _accept_contribution(self, out: list[Action], step: int, sender: str,
+                             payload: bytes) -> bool:
+        """Validate (decode) and store one contribution; halt (state untouched) if it is
+        bad."""
         try:
             # Checked on its bytes (no vector made): decoded only when averaged.
             check_payload(self.codec, payload, self.replica.size, f"gradient from {sender}")
         except GradientError as exc:
             self._stop(out, step, f"refused at {self.unit} {step}: {exc}", broadcast=True)
             return False
-        self._ledger.open(step).grads[sender] = payload
+        self._ledger.open(step).payloads[sender] = payload
         return True
 
     def _rollback(self, out: list[Action], step: int, members: tuple[str, ...], now: float,
@@ -581,7 +588,7 @@ class StepMachine(LeaderDuties, HashDuties):
             self._stop(out, step, f"roster of committed {self.unit} {step} was amended", True)
             return
         st = self._ledger.get(step)
-        if st is None or not set(members) <= set(st.grads):
+        if st is None or not set(members) <= set(st.payloads):
             self._stop(out, step, f"amended roster of {self.unit} {step} cannot be rebuilt", True)
             return
         if shares and st.shares and any(
@@ -596,25 +603,25 @@ class StepMachine(LeaderDuties, HashDuties):
         self._ledger.steps.pop(step + 1, None)
         st.roster = members
         st.shares = shares
-        st.grads = {p: g for p, g in st.grads.items() if p in members}
+        st.payloads = {p: g for p, g in st.payloads.items() if p in members}
         self._try_commit(out, step, rollback=True)
 
     def _try_commit(self, out: list[Action], step: int, rollback: bool = False) -> bool:
         st = self._ledger.get(step)
         if st is None or st.roster is None or step != self.boundary:
             return False
-        if any(p not in st.grads for p in st.roster):
-            return False  # exactly the roster's gradients, never a partial average
+        if any(p not in st.payloads for p in st.roster):
+            return False  # exactly the roster's contributions, never a partial average
         # The decoded values of the very bytes every member holds (its own included),
         # decoded part by part as the average adds them (all were validated on arrival).
         size = self.replica.size
         # Bounded influence: each contribution's norm against the round's median, from
         # the decoded values (a first pass over the bytes), the same on every member.
-        norms2 = [squared_norm(decode_parts(self.codec, st.grads[p], size, f"from {p}"))
+        norms2 = [squared_norm(decode_parts(self.codec, st.payloads[p], size, f"from {p}"))
                   for p in st.roster]
         factors = clip_factors(norms2)
         clipped = tuple(p for p, f in zip(st.roster, factors, strict=True) if f is not None)
-        parts = [decode_parts(self.codec, st.grads[p], size, f"gradient from {p}")
+        parts = [decode_parts(self.codec, st.payloads[p], size, f"gradient from {p}")
                  for p in st.roster]
         # The mean is ours alone: the replica may keep its buffer (the outer step's).
         mean = average_parts_in_roster_order(parts, size, st.shares, factors)
@@ -633,10 +640,10 @@ class StepMachine(LeaderDuties, HashDuties):
             return False
         self._ledger.committed[step] = st.roster
         self._ledger.committed_shares[step] = st.shares
-        self._averaged = {step + 1: tuple(wire.payload_digest(st.grads[p]) for p in st.roster)}
+        self._averaged = {step + 1: tuple(wire.payload_digest(st.payloads[p]) for p in st.roster)}
         if self.is_leader:
             self._measure_round(st)
-        self._ledger.forget_before(step, self.history, keep_grads=self.is_leader)
+        self._ledger.forget_before(step, self.history, keep_payloads=self.is_leader)
         self._publish_hashes(out)
         wh, ph = self._hashes.own[self.boundary]
         out.append(Commit(step, st.roster, self._losses.pop(step, None), wh, ph, rollback,

@@ -39,7 +39,7 @@ __all__ = [
     "Config",
     "Snapshot",
     "Roster",
-    "Gradient",
+    "Contribution",
     "StepHashes",
     "RepairRequest",
     "NO_ROSTER",
@@ -64,7 +64,7 @@ MAX_ID_LEN = 128  # peer ids
 MAX_TEXT_LEN = rules.MAX_DATA_LEN  # free text (halt reason, data source)
 MAX_HASH_LEN = 128  # hex digests (512-bit max)
 MAX_MEMBERS = 1024  # roster size
-MAX_PAYLOAD = 1 << 30  # snapshot / gradient bytes
+MAX_PAYLOAD = 1 << 30  # snapshot / contribution bytes
 MAX_MESSAGE = MAX_PAYLOAD + (1 << 16)  # decode refuses larger inputs outright
 MAX_U64 = rules.MAX_SEED
 MAX_STEP = rules.MAX_STEP  # steps fit a signed 64-bit int everywhere
@@ -408,8 +408,13 @@ class Roster(_Msg):
 
 
 @dataclass(frozen=True)
-class Gradient(_Msg):
-    """``payload`` is the flat gradient as float32 little-endian."""
+class Contribution(_Msg):
+    """``sender``'s contribution to step ``step`` of the step machine (a round's weight
+    change by default, a gradient in lockstep): ``payload`` is the run's codec's bytes
+    (``daisyweb.protocol.codec``: f32, int8 or int4), checked against the run when it
+    arrives. On the wire its ``type`` is ``"gradient"`` and its fields are ``step``,
+    ``sender`` and ``payload``: names kept as they are because other names would be
+    other bytes (``docs/protocol.md``)."""
 
     step: int
     sender: str
@@ -508,7 +513,7 @@ class Halt(_Msg):
 
 
 Message = (
-    Hello | Following | Config | Snapshot | Roster | Gradient | StepHashes | RepairRequest
+    Hello | Following | Config | Snapshot | Roster | Contribution | StepHashes | RepairRequest
     | Heartbeat | Halt
 )
 
@@ -520,7 +525,7 @@ MESSAGE_TYPES: dict[str, type[_Msg]] = {
         Config,
         Snapshot,
         Roster,
-        Gradient,
+        Contribution,
         StepHashes,
         RepairRequest,
         Heartbeat,

@@ -58,7 +58,7 @@ async def test_round_reports_carry_mode_round_comm_share_and_heldout(tmp_path: P
     report.begin(state)
     sink = Sink()
     report.computing(0)
-    report.gradient_ready(0, 0.01, time.monotonic())
+    report.contribution_ready(0, 0.01, time.monotonic())
     await _commit(report, state, 0, 32, sink)  # optimizer step 32: an evaluation is due
     await _commit(report, state, 1, 32, sink)  # step 64: again
     first, second = sink.decoded
@@ -78,7 +78,7 @@ async def test_lockstep_report_without_evaluation_has_no_heldout(tmp_path: Path)
     sink = Sink()
     # a gradient "ready" before its step started would give a share above 1: clamped
     report.computing(0)
-    report.gradient_ready(0, 0.0, time.monotonic() - 10.0)
+    report.contribution_ready(0, 0.0, time.monotonic() - 10.0)
     await _commit(report, state, 0, 1, sink)
     (msg,) = sink.decoded
     assert (msg["mode"], msg["round"], msg["comm_share"]) == ("lockstep f32", 1, 1.0)
@@ -128,17 +128,17 @@ class LinkedSink(Sink):
 
 
 async def test_reports_carry_the_pool_fields(tmp_path: Path) -> None:
-    from daisyweb.peer.machine import machine_info
+    from daisyweb.peer.hardware import hardware_info
 
     state = _state(sync_every=32)
     report = _report(tmp_path)
     report.begin(state)
     sink = LinkedSink()
     report.computing(0)
-    report.gradient_ready(0, 0.5, time.monotonic())
+    report.contribution_ready(0, 0.5, time.monotonic())
     await _commit(report, state, 0, 32, sink)
     (msg,) = sink.decoded
-    mine = machine_info()
+    mine = hardware_info()
     assert mine["cores"] >= 1 and mine["ram_mb"] >= 1 and mine["cpu"]
     assert {k: msg[k] for k in mine} == mine
     assert msg["backend"] in ("blas", "blas64", "mirror", "lut")
@@ -153,11 +153,11 @@ async def test_reports_carry_the_pool_fields(tmp_path: Path) -> None:
     report.close()
 
 
-def test_machine_info_reads_the_cpu_model_and_cleans_it(tmp_path: Path) -> None:
-    from daisyweb.peer.machine import machine_info
+def test_hardware_info_reads_the_cpu_model_and_cleans_it(tmp_path: Path) -> None:
+    from daisyweb.peer.hardware import hardware_info
 
     info = tmp_path / "cpuinfo"
     info.write_text("processor\t: 0\nmodel name\t: Old \x1b[31mBox\u202e CPU @ 1.2GHz\n")
-    assert machine_info(info)["cpu"] == "Old Box CPU @ 1.2GHz"
+    assert hardware_info(info)["cpu"] == "Old Box CPU @ 1.2GHz"
     info.write_text("processor\t: 0\nmodel name\t: " + "x" * 500 + "\n")
-    assert len(machine_info(info)["cpu"]) == protocol.MAX_CPU_CHARS
+    assert len(hardware_info(info)["cpu"]) == protocol.MAX_CPU_CHARS

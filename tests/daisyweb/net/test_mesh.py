@@ -123,8 +123,8 @@ def candidates(m: Mesh, peer: str) -> list[str]:
     return [ln for ln in sdp.splitlines() if ln.startswith("a=candidate")]
 
 
-def grad(sender: str, n_bytes: int, step: int = 1, seed: int = 0) -> wire.Gradient:
-    return wire.Gradient(step=step, sender=sender, payload=os.urandom(n_bytes - n_bytes % 4))
+def grad(sender: str, n_bytes: int, step: int = 1, seed: int = 0) -> wire.Contribution:
+    return wire.Contribution(step=step, sender=sender, payload=os.urandom(n_bytes - n_bytes % 4))
 
 
 # ----------------------------------------------------------------------------
@@ -298,14 +298,14 @@ async def test_drop_outgoing_one_message_to_one_peer(srv):
     dropped: list = []
 
     def drop(peer, msg):
-        if isinstance(msg, wire.Gradient) and msg.step == 2 and peer == b.self_id:
+        if isinstance(msg, wire.Contribution) and msg.step == 2 and peer == b.self_id:
             dropped.append(msg)
             return True
         return False
 
     a.drop_outgoing = drop
     for step in (1, 2, 3):
-        await a.send(b.self_id, wire.Gradient(step=step, sender=a.self_id, payload=b"\0" * 8))
+        await a.send(b.self_id, wire.Contribution(step=step, sender=a.self_id, payload=b"\0" * 8))
     steps = [(await until(b, received())).message.step for _ in range(2)]
     assert steps == [1, 3] and len(dropped) == 1
 

@@ -72,12 +72,12 @@ def test_a_leader_keeps_the_last_two_steps_in_memory_and_repairs_older_ones_from
     committed = 11
     kept = range(committed - HISTORY + 1, committed + 1)
     assert sorted(ledger.archived) == list(range(kept[0], committed - HOT_STEPS + 1))
-    in_memory = [k for k, s in ledger.steps.items() if s.grads and k <= committed]
+    in_memory = [k for k, s in ledger.steps.items() if s.payloads and k <= committed]
     assert in_memory == list(range(committed - HOT_STEPS + 1, committed + 1))
     for step in (kept[0], 7, committed):
         actions = leader.message("c", wire.RepairRequest(step, "b"), bus.now)
         sent = [a.message for a in actions if isinstance(a, Send)]
-        assert sent == [wire.Gradient(step, "b", F32.encode(bus.sent_grads[("b", step)]))]
+        assert sent == [wire.Contribution(step, "b", F32.encode(bus.sent_grads[("b", step)]))]
     assert leader.message("c", wire.RepairRequest(kept[0] - 1, "b"), bus.now) == []
 
 

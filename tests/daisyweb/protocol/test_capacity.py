@@ -181,7 +181,7 @@ def _run(speeds: dict[str, float], capacity: bool, steps: int = 3):
             p, c = computes.pop(0)
             g = _grad(p, c.step, c.sequences)
             sent[(p, c.step)] = g
-            handle(p, ms[p].local_gradient(c.step, 1.0, g, 0.0))
+            handle(p, ms[p].local_contribution(c.step, 1.0, g, 0.0))
         else:
             break
     return reps, commits, sent, computes
@@ -234,9 +234,9 @@ def _follower_that_committed_step_0() -> tuple[StepMachine, Replica, list]:
     b.start(0.0)
     out = b.message("a", wire.Roster(0, ("a", "b", "c"), (2, 4, 6)), 0.0)
     assert [x.sequences for x in out if isinstance(x, Compute)] == [4]
-    out = b.local_gradient(0, 1.0, _grad("b", 0, 4), 0.0)
+    out = b.local_contribution(0, 1.0, _grad("b", 0, 4), 0.0)
     for p in ("a", "c"):
-        out += b.message(p, wire.Gradient(0, p, F32.encode(_grad(p, 0, 0))), 0.0)
+        out += b.message(p, wire.Contribution(0, p, F32.encode(_grad(p, 0, 0))), 0.0)
     (commit,) = [x for x in out if isinstance(x, Commit)]
     assert commit.shares == (2, 4, 6) and not [x for x in out if isinstance(x, Stopped)]
     return b, rep, [F32.decode(F32.encode(_grad(p, 0, n)), SIZE) for p, n in
@@ -319,9 +319,9 @@ def test_a_lied_speed_does_not_buy_the_batch() -> None:
     assert first.shares == (4, 4, MAX_FACTOR * 8)  # the cap: twice the equal share
     # each contribution arrives when its sequences at 8 a second are done
     done = {p: n / 8.0 for p, n in zip(peers, first.shares, strict=True)}
-    out = a.local_gradient(0, 1.0, _grad("a", 0, 4), done["a"])
+    out = a.local_contribution(0, 1.0, _grad("a", 0, 4), done["a"])
     for p in ("b", "c"):
-        out += a.message(p, wire.Gradient(0, p, F32.encode(_grad(p, 0, first.shares[1]))),
+        out += a.message(p, wire.Contribution(0, p, F32.encode(_grad(p, 0, first.shares[1]))),
                          done[p])
     (commit,) = [x for x in out if isinstance(x, Commit)]
     for p, speed in (("b", 8.0), ("c", 1e12)):

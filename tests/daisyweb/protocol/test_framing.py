@@ -350,4 +350,4 @@ def test_a_spooled_payload_over_the_limit_is_refused(tmp_path: Path) -> None:
     with pytest.raises(WireError, match="payload too long"):
         wire.Snapshot(1, "ab" * 32, huge)
     with pytest.raises(WireError, match="expected bytes"):
-        wire.Gradient(1, "aa", huge)  # only a snapshot's payload may be spooled
+        wire.Contribution(1, "aa", huge)  # only a snapshot's payload may be spooled

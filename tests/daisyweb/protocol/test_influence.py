@@ -121,9 +121,9 @@ class EquivocatingBus(Bus):
         rest = []
         for a in actions:
             msg = getattr(a, "message", None)
-            if (peer == "c" and isinstance(a, Send) and isinstance(msg, wire.Gradient)
+            if (peer == "c" and isinstance(a, Send) and isinstance(msg, wire.Contribution)
                     and msg.step == 0):
-                other = wire.Gradient(0, "c", (grad_for("c", 0) * 2).astype("<f4").tobytes())
+                other = wire.Contribution(0, "c", (grad_for("c", 0) * 2).astype("<f4").tobytes())
                 for q in a.to or ():
                     sent = other if q == "b" else msg
                     self.queues.setdefault((peer, q), deque()).append(wire.encode(sent))

@@ -170,7 +170,7 @@ class Bus:
             self.computes.remove((peer, step))
             g = self.grad(peer, step)
             self.sent_grads[(peer, step)] = g
-            self.handle(peer, self.machines[peer].local_gradient(step, 1.0, g, self.now))
+            self.handle(peer, self.machines[peer].local_contribution(step, 1.0, g, self.now))
             return True
         src, dst = self.rng.choice(sorted(ready))
         msg = wire.decode(self.queues[(src, dst)].popleft())
@@ -307,13 +307,13 @@ def test_bad_gradient_on_the_wire_is_refused(kind: str) -> None:
         fixed = []
         for a in actions:
             m = a.message if isinstance(a, Send) else None
-            if isinstance(m, wire.Gradient) and m.sender == "c" and m.step == 1:
+            if isinstance(m, wire.Contribution) and m.sender == "c" and m.step == 1:
                 p = bytearray(m.payload)
                 if kind == "nan":
                     p[0:4] = np.float32(np.nan).tobytes()
                 else:
                     del p[-4:]
-                a = Send(a.to, wire.Gradient(m.step, m.sender, bytes(p)))
+                a = Send(a.to, wire.Contribution(m.step, m.sender, bytes(p)))
             fixed.append(a)
         orig(peer, fixed)
 
@@ -428,7 +428,7 @@ def test_relayed_gradient_from_non_leader_is_ignored() -> None:
     bus.run()
     m = bus.machines["b"]
     # c relays a forged gradient claiming to be a's: ignored (only the leader repairs)
-    forged = wire.Gradient(0, "a", np.full(SIZE, np.nan, np.float32).tobytes())
+    forged = wire.Contribution(0, "a", np.full(SIZE, np.nan, np.float32).tobytes())
     assert m.message("c", forged, 0.0) == []
     assert not m.done
 
@@ -441,7 +441,7 @@ def test_dropped_gradient_is_repaired_bit_exact(dst_of_drop: str) -> None:
     dropped: list[wire.Message] = []
 
     def drop(src: str, dst: str, msg: wire.Message) -> bool:
-        if isinstance(msg, wire.Gradient) and (src, dst, msg.step) == ("b", dst_of_drop, 2):
+        if isinstance(msg, wire.Contribution) and (src, dst, msg.step) == ("b", dst_of_drop, 2):
             if not dropped:
                 dropped.append(msg)
                 return True
@@ -484,7 +484,7 @@ def test_amendment_rolls_back_a_member_that_already_committed() -> None:
     # c's step-1 gradient reaches b but not a, then c dies: a amends step 1 to (a, b);
     # b, which committed with c's gradient, must roll back and recommit.
     def drop(src: str, dst: str, msg: wire.Message) -> bool:
-        return isinstance(msg, wire.Gradient) and (src, dst, msg.step) == ("c", "a", 1)
+        return isinstance(msg, wire.Contribution) and (src, dst, msg.step) == ("c", "a", 1)
 
     bus = Bus(["a", "b", "c"], steps=4, drop=drop)
     bus.start()
@@ -619,8 +619,8 @@ def test_gradient_for_another_step_is_ignored() -> None:
     bus.run()
     m = bus.machines["b"]
     nan = np.full(SIZE, np.nan, np.float32).tobytes()
-    assert m.message("a", wire.Gradient(1, "a", nan)) == [] and not m.done
-    out = m.message("a", wire.Gradient(0, "a", nan))  # the current step: checked, refused
+    assert m.message("a", wire.Contribution(1, "a", nan)) == [] and not m.done
+    out = m.message("a", wire.Contribution(0, "a", nan))  # the current step: checked, refused
     assert any(isinstance(x, Stopped) for x in out)
 
 
@@ -785,7 +785,7 @@ def test_gradient_from_outside_the_roster_cannot_halt(who: str) -> None:
     peer = "a" if who == "leader" else "b"
     m = bus.machines[peer]
     for sender in ("ghost", "zz"):
-        assert m.message(sender, wire.Gradient(0, sender, _nan())) == [] and not m.done
+        assert m.message(sender, wire.Contribution(0, sender, _nan())) == [] and not m.done
     bus.hold_compute.clear()
     bus.run()
     bus.advance(61.0)  # the joiner times out; the others finish
@@ -798,11 +798,11 @@ def test_gradient_before_the_roster_waits_unread_and_only_a_members_counts() -> 
     bus = Bus(["a", "b"], steps=2)
     bus.hold_compute.update("ab")
     m = bus.machines["b"]
-    assert m.message("zz", wire.Gradient(0, "zz", _nan())) == [] and not m.done
+    assert m.message("zz", wire.Contribution(0, "zz", _nan())) == [] and not m.done
     assert m._ledger.get(0).unchecked == {"zz"}
     bus.start()
     bus.run()  # a's roster of step 0 reaches b
-    assert not m.done and "zz" not in m._ledger.get(0).grads
+    assert not m.done and "zz" not in m._ledger.get(0).payloads
     bus.hold_compute.clear()
     bus.run()
     assert set(bus.finished) == {"a", "b"} and not bus.stopped
@@ -814,7 +814,7 @@ def test_early_bad_gradient_of_a_member_halts_when_its_roster_arrives() -> None:
     bus.start()
     m = bus.machines["b"]
     m.members.learn(["a", "b", "c"])  # b knows the group from an earlier roster
-    assert m.message("c", wire.Gradient(0, "c", _nan())) == [] and not m.done
+    assert m.message("c", wire.Contribution(0, "c", _nan())) == [] and not m.done
     out = m.message("a", wire.Roster(0, ("a", "b", "c")))
     assert any(isinstance(x, Stopped) and "refused" in x.reason for x in out)
 

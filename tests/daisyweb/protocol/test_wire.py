@@ -14,8 +14,8 @@ from hypothesis import strategies as st
 from daisyweb.protocol import wire
 from daisyweb.protocol.wire import (
     Config,
+    Contribution,
     Following,
-    Gradient,
     Halt,
     Heartbeat,
     Hello,
@@ -50,7 +50,7 @@ SAMPLES = [
     ),
     Snapshot(0, H, b"\x00\x01" * 100),
     Roster(5, ["a", "b", "c"]),
-    Gradient(5, "a", struct.pack("<3f", 1.0, -2.5, 0.0)),
+    Contribution(5, "a", struct.pack("<3f", 1.0, -2.5, 0.0)),
     StepHashes(5, "b", H, "cd" * 8),
     RepairRequest(5, "c"),
     Heartbeat(12.5),
@@ -85,6 +85,14 @@ def test_round_trip(msg: wire.Message) -> None:
 
 def test_every_type_sampled() -> None:
     assert {m.type for m in SAMPLES} == set(wire.MESSAGE_TYPES)
+
+
+def test_a_contribution_keeps_its_wire_name_and_bytes() -> None:
+    # The Python class says what it is; the bytes keep the protocol's historical names.
+    msg = Contribution(5, "a", b"\x01\x02\x03\x04")
+    assert encode(msg) == (b"\x84\xa4type\xa8gradient\xa4step\x05\xa6sender\xa1a"
+                           b"\xa7payload\xc4\x04\x01\x02\x03\x04")
+    assert decode(encode(msg)) == msg
 
 
 def test_roster_members_normalised() -> None:

@@ -1,4 +1,4 @@
-"""What this machine is, for the dashboard's pool view: CPU model, cores, RAM.
+"""The hardware this peer runs on, for the dashboard's pool view: CPU model, cores, RAM.
 
 Read once at start from the operating system (``/proc/cpuinfo`` on Linux, ``platform``
 elsewhere); anything that cannot be read is left out rather than guessed.
@@ -12,7 +12,7 @@ from pathlib import Path
 
 from signaling.protocol import MAX_CPU_CHARS, MAX_RAM_MB, clean_text
 
-__all__ = ["machine_info"]
+__all__ = ["hardware_info"]
 
 
 def _cpu_model(cpuinfo: Path = Path("/proc/cpuinfo")) -> str:
@@ -44,7 +44,7 @@ def _ram_mb() -> int | None:
     return min(pages * size // (1 << 20), MAX_RAM_MB) or None
 
 
-def machine_info(cpuinfo: Path = Path("/proc/cpuinfo")) -> dict[str, str | int]:
+def hardware_info(cpuinfo: Path = Path("/proc/cpuinfo")) -> dict[str, str | int]:
     """``cpu``, ``cores`` and ``ram_mb`` (MiB) as far as they can be read, each within
     what the signaling server accepts in a status report."""
     out: dict[str, str | int] = {}
