@@ -3,8 +3,8 @@
 OpenBLAS (``DYNAMIC_ARCH``) picks its kernels, its "core type", once, when the library
 loads: from the CPU, or from ``OPENBLAS_CORETYPE``. On AMD Zen 4 (family 25 with
 AVX-512) it picks the SkylakeX AVX-512 kernels, but Zen 4 runs AVX-512 as two 256-bit
-halves, and the model's float32 GEMMs (M 256-512, K and N 128-2048) ran 5-15% faster
-here on its Zen (AVX2) kernels; GEMMs are about two thirds of a training step.
+halves, and the model's float32 GEMMs (M 256-512, K and N 128-2048) run 5-15% faster
+on its Zen (AVX2) kernels; GEMMs are about two thirds of a training step.
 
 So importing daisyweb sets ``OPENBLAS_CORETYPE=ZEN`` on such a CPU unless the variable
 is already set (the user's choice wins). It takes effect for an OpenBLAS loaded after

@@ -320,7 +320,7 @@ class DaisyAdam:
 
 def le_f32_bytes(arr: np.ndarray) -> memoryview:
     """The little-endian float32 bytes of ``arr`` for hashing: a view of the array itself
-    when it already is contiguous ``<f4`` (no 4P-byte copy, as ``tobytes`` made), else of
+    when it already is contiguous ``<f4`` (no 4P-byte copy, as ``tobytes`` would make), else of
     a converted copy. The same bytes either way."""
     return memoryview(np.ascontiguousarray(arr, dtype="<f4")).cast("B")
 

@@ -58,7 +58,7 @@ DEFAULTS: MappingProxyType[str, int | float | str] = MappingProxyType({
     "sync_every": 16, "codec": "int4", "outer_lr": 1.0,
     "overlap": 2,
 })
-# What a run without these settings (an older checkpoint) was: lockstep, float32.
+# The exchange of a checkpoint that names none: it was trained in lockstep, float32.
 LOCKSTEP = MappingProxyType({"sync_every": 1, "codec": "f32", "outer_lr": 1.0, "overlap": 0})
 CODEC_NAMES = ("f32", "int8", "int4")
 MAX_SYNC_EVERY = 1 << 20

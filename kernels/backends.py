@@ -73,7 +73,7 @@ class BlasBackend(Backend):
     exact because K <= K_MAX keeps the total below 2**31.
 
     Speed: the float32 operands live in per-thread buffers reused across calls. sgemm on
-    freshly allocated operands ran 2.5x slower at 256^3 here (fresh pages / cold packing),
+    freshly allocated operands runs 2.5x slower at 256^3 (fresh pages / cold packing),
     and reuse also skips the allocation. ``operand_buffers`` lets ``int8_matmul`` quantize
     straight into them, so it never makes an int8 or a second float32 copy.
 

@@ -34,8 +34,8 @@ SCALE_FLOOR = 1e-8
 # Elements per chunk: the chunk's float32 quotient and its flags stay in L1/L2 through
 # every pass, so x and q cross memory once.
 _CHUNK = 1 << 15
-# Elements per chunk of the dequantize epilogue (two multiplies; larger chunks measured
-# faster here, the bits are the same whatever the chunking)
+# Elements per chunk of the dequantize epilogue (two multiplies: larger chunks are faster
+# for it, and the bits are the same whatever the chunking)
 _SCALE_CHUNK = 1 << 17
 
 

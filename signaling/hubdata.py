@@ -9,8 +9,8 @@ the commit it listed. What the Hub answers "no" to (no such repo, config or spli
 parquet files) is a :class:`DatasetMissing`; anything else (no network, a 5xx) is a
 :class:`DatasetUnreachable`, which the reader retries later.
 
-The default is FineWeb-Edu's ``sample-10BT`` config (14 parquet shards of ~2 GB), read
-as before. No token is ever sent: gated and private datasets are refused.
+The default is FineWeb-Edu's ``sample-10BT`` config (14 parquet shards of ~2 GB). No
+token is ever sent: gated and private datasets are refused.
 """
 
 from __future__ import annotations
@@ -76,7 +76,7 @@ class DatasetSpec:
 
 
 # FineWeb-Edu's full default config is 1.3 T tokens in thousands of shards; its 10 B-token
-# sample is what /data has always read.
+# sample (14 shards) is far more text than a run trains on.
 DEFAULT_DATASET = DatasetSpec(FINEWEB_EDU, "sample-10BT")
 
 

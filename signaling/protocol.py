@@ -18,7 +18,7 @@ from typing import Any
 MAX_MESSAGE_BYTES = 64 * 1024
 MAX_ERRORS = 20
 # Room codes and peer ids: the one definition, used by the server and by daisyweb-peer.
-# Always matched with fullmatch: with match() and "$", "abcd\n" passed as a room of its own.
+# Always matched with fullmatch: with match() and "$", "abcd\n" would pass as a room of its own.
 ROOM_RE = re.compile(r"[A-Za-z0-9_-]{4,64}")
 ROOM_RULE = "4-64 characters of A-Z a-z 0-9 _ -"
 ID_RE = re.compile(r"[0-9a-f]{1,32}")
@@ -38,7 +38,8 @@ MAX_STEP = (1 << 63) - 1  # as daisyweb.rules.MAX_STEP: steps fit a signed 64-bi
 MAX_PEERS = 1 << 20
 MAX_LOSS = 1e9  # far above any real cross-entropy, far below float overflow
 MAX_TOKENS_PER_S = 1e12
-# The pool fields of a status report (issue 15): the machine, its share, its links.
+# The pool fields of a status report (the dashboard's pool view): the machine, its share,
+# its links.
 MAX_CPU_CHARS = 64  # "Intel(R) Xeon(R) CPU E5-2690 v4 @ 2.60GHz" is 41
 MAX_BACKEND_CHARS = 16  # a kernel backend name: blas, blas64, mirror, lut
 MAX_CORES = 1 << 16
@@ -175,9 +176,9 @@ def _status_extras(msg: dict) -> dict[str, Any]:
 
 
 def _pool_extras(msg: dict) -> dict[str, Any]:
-    """The pool fields (issue 15): this peer's machine and kernel backend, its share of
-    the batch and its own speed, the run's ETA and step budget, and its links' round-trip
-    times by peer id (``null``: connected, not yet measured)."""
+    """The pool fields (the dashboard's pool view): this peer's machine and kernel
+    backend, its share of the batch and its own speed, the run's ETA and step budget, and
+    its links' round-trip times by peer id (``null``: connected, not yet measured)."""
     out: dict[str, Any] = {}
     if "cpu" in msg:
         out["cpu"] = _text(msg, "cpu", MAX_CPU_CHARS)

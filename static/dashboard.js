@@ -68,7 +68,7 @@ async function getJSON(url) {
 
 // ---- overview ---------------------------------------------------------------------------
 
-// ---- the server and the dataset /data serves (issue 15) -----------------------------------
+// ---- the server and the dataset /data serves -----------------------------------------------
 
 function dataLine(d) {
   if (!d || typeof d !== "object") return "";
@@ -171,7 +171,7 @@ function runState(reports) {
   return names.map((n) => n + " (" + counts[n] + ")").join(", ");
 }
 
-// Issue 13's fields: the exchange mode, the newest round, the mean share of time spent
+// The exchange's fields: the mode, the newest round, the mean share of time spent
 // communicating, and the newest held-out loss with the step it was measured at.
 function roundFields(reports) {
   const rs = Object.values(reports);

@@ -1,4 +1,4 @@
-// The pool view (issue 15): each member's machine (CPU model, cores, RAM), kernel backend,
+// The pool view: each member's machine (CPU model, cores, RAM), kernel backend,
 // transport, batch share, own tokens/s and communication share; for the group the pooled
 // cores and RAM, the ETA, the link matrix (which pairs are connected and the round-trip
 // time each member measures on its heartbeats) and the held-out loss curve.

@@ -20,7 +20,7 @@ __all__ = ["open_checkpoint"]
 
 def damaged(prog: str, path: str, ckpt: Checkpoint, exc: Exception) -> int:
     """One line for a checkpoint whose forward pass overflows (its weights are finite but
-    absurd: what a poisoned group once saved); exit code 1."""
+    absurd, as a poisoned group can leave them); exit code 1."""
     big = float(np.abs(ckpt.params).max()) if ckpt.params.size else 0.0
     print(f"{prog}: cannot use {path}: its forward pass overflows (largest |weight| "
           f"{big:.3g}: the weights are damaged): {exc}", file=sys.stderr)

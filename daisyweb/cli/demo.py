@@ -242,7 +242,7 @@ def blas_threads(peers: int, cores: int | None = None) -> dict[str, str]:
     """BLAS thread counts for ``peers`` processes sharing this machine's cores.
 
     Each OpenBLAS thread spins after a call, so N peers with a thread per core each
-    oversubscribe the machine (three peers on two cores ran 5x slower than with one thread
+    oversubscribe the machine (three peers on two cores run 5x slower than with one thread
     each). A count the user set in the environment is kept.
     """
     per_peer = str(max(1, (cores or os.cpu_count() or 1) // peers))

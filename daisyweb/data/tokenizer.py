@@ -183,7 +183,7 @@ class Tokenizer:
         if cache is None:
             cache = self._cache
         # Words one at a time (finditer, not findall) into 4-byte ids: the built-in corpus
-        # as a list of ~1 M word strings and Python ints peaked at ~70 MB per peer.
+        # as a list of ~1 M word strings and Python ints would take ~70 MB per peer.
         out = array.array("i")
         for match in self._re.finditer(text):
             word = match.group()

@@ -25,8 +25,8 @@ whose round trips are slow (its event loop is busy), plus however long our own e
 loop stalled lately (:class:`StallMeter`): while we were blocked (sending snapshots to
 many joiners on a starved CPU), the peers' messages waited for us, not the other way.
 
-Fault injection: :attr:`Mesh.drop_outgoing` is the one hook (tests and the peer's test
-switches set it from code, never from the wire).
+Fault injection: :attr:`Mesh.drop_outgoing` is the one hook (tests set it from code,
+never from the wire).
 """
 
 from __future__ import annotations
@@ -163,7 +163,7 @@ class Mesh:
         self.stalls = StallMeter(2 * heartbeat_timeout)  # our loop's lateness, measured
         self._max_message_bytes = max_message_bytes
         # Until the run is known (limit_messages), one message of the cap at a time per
-        # link, and one more starting: 2 x 256 MiB, not 64 x.
+        # link, and one more starting: 2 x 256 MiB, not the reassembler's default 64 x.
         self._max_reassembly_bytes = (max_reassembly_bytes if max_reassembly_bytes is not None
                                       else 2 * max_message_bytes)
         self._connect_timeout = connect_timeout

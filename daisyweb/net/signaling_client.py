@@ -49,8 +49,8 @@ log = logging.getLogger("daisyweb.net.mesh")
 # The server allows 50 messages/s per connection and closes it after 20 errors, so
 # status reports (the only frequent client message) are coalesced to at most 10/s.
 STATUS_MIN_INTERVAL = 0.1
-# What the server may send in one message (peer lists are its largest): aiohttp's
-# client default, which this client used before.
+# What the server may send in one message (peer lists are its largest): 4 MiB, aiohttp's
+# client default, far above any list a room holds.
 MAX_RECEIVE_BYTES = 4 * 1024 * 1024
 
 Approve = Callable[[str, str], Awaitable[bool]]
@@ -158,9 +158,9 @@ class SignalingClient:
 
     async def _connect(self, params: dict[str, str]) -> ClientConnection:
         # The websockets client, not aiohttp's: a peer then never imports aiohttp on the
-        # built-in corpus (~9 MB resident, docs/limits.md section 1). Set as aiohttp's
-        # client was: no proxy from the environment, no compression, no client pings
-        # (the server pings; a dead socket is seen by the links' own heartbeats).
+        # built-in corpus (~9 MB resident, docs/limits.md section 1). No proxy from the
+        # environment, no compression, no client pings (the server pings; a dead socket is
+        # seen by the links' own heartbeats).
         return await connect(
             f"{self.url}?{urlencode(params)}", proxy=None, compression=None,
             open_timeout=None, ping_interval=None, max_size=MAX_RECEIVE_BYTES,

@@ -1,17 +1,17 @@
 """Keep a long-running peer's resident memory close to what it really holds.
 
 glibc's malloc raises its mmap threshold each time a big block is freed (up to 32 MiB),
-so after the first snapshot or round the peer's multi-megabyte arrays and messages come
-from the heap, where freed space is kept and fragments: a follower's resident memory
-settled ~30 MB above what it held (measured at the demo default, ``TEST_RESULTS.md``,
+so after the first snapshot or round the peer's multi-megabyte arrays and messages would
+come from the heap, where freed space is kept and fragments: a follower's resident memory
+would settle ~30 MB above what it holds at the demo default (``TEST_RESULTS.md``,
 bench:memory). :func:`tune_malloc` fixes the threshold, so big blocks always go back to
 the system when freed, and caps the per-thread arenas (the compute worker thread and the
-WebRTC threads each got one of their own). Nothing happens where there is no glibc.
+WebRTC threads would each get one of their own). Nothing happens where there is no glibc.
 
-A fixed threshold of 256 KiB cost speed, though: a training step's own temporaries
-(activations, logits: up to 4 MiB at the demo default) were mapped, zeroed by the kernel
-and unmapped again every step, ~28,000 page faults a second and 7% of a one-core peer in
-the kernel (group tokens/s 10% lower, ``bench.scaling``). So once the run is known,
+A fixed threshold of 256 KiB costs speed, though: a training step's own temporaries
+(activations, logits: up to 4 MiB at the demo default) would be mapped, zeroed by the
+kernel and unmapped again every step, ~28,000 page faults a second and 7% of a one-core
+peer in the kernel (group tokens/s 10% lower, ``bench.scaling``). So once the run is known,
 :func:`keep_step_buffers` raises the threshold to just below one parameter vector:
 whatever is smaller than that comes from the heap and is reused step after step (int8
 payloads too, a quarter of a vector), while vectors and anything bigger (float32

@@ -93,6 +93,6 @@ def log(msg: str) -> None:
 
 
 def mesh_transport_options(opts: PeerOptions) -> dict[str, object]:
-    """The Mesh keywords for the WebRTC implementation and TURN (issue 17)."""
+    """The Mesh keywords for the WebRTC implementation and TURN."""
     turn = [IceServer(u, opts.turn_user, opts.turn_credential) for u in opts.turn]
     return {"transport": opts.transport, "turn": turn, "relay_only": opts.relay}

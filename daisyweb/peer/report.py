@@ -68,7 +68,7 @@ class Report:
         # The last held-out loss and its step, sent with every status (reports coalesce).
         self.last_heldout: tuple[float, int] | None = None
         self._eval_batches: list[np.ndarray] | None = None
-        # The pool view (issue 15): this machine, sent with every report.
+        # The dashboard's pool view shows each member's hardware: sent with every report.
         self.hardware = hardware_info()
         self.last_pool: dict[str, Any] = {}
         self.step_t0: dict[int, float] = {}

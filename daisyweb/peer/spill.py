@@ -2,7 +2,7 @@
 payloads, and a snapshot while a joiner downloads it.
 
 The leader keeps every member's payloads of the last ``sync.HISTORY`` committed steps
-(8 rounds, issue 13's rule) to resend them to a member that fell behind; only the last
+(8 rounds) to resend them to a member that fell behind; only the last
 two are ever asked for in practice (``ledger.HOT_STEPS``), and the rest grow with the
 group: 8 rounds x N members x 0.74 MB at the demo default (int4), 8 x N x 5.3 MB in
 lockstep f32. :class:`SpillArchive` writes each older step's payloads to a file of its
@@ -21,8 +21,9 @@ memory and the peer says so once.
 
 A snapshot (16 MB at the demo default) is written once and sent once, over seconds at a
 data channel's rates: :class:`Spooler` writes it to an unlinked file and the frames are
-read from it as they go out (``wire.SpooledBytes``); before, the leader held the whole
-payload meanwhile, and that set its peak resident memory (docs/limits.md, section 1).
+read from it as they go out (``wire.SpooledBytes``), so the leader never holds the whole
+payload meanwhile: held in memory, it would set the leader's peak resident memory
+(docs/limits.md, section 1).
 """
 
 from __future__ import annotations

@@ -47,10 +47,10 @@ def average_in_roster_order(vectors: Iterable[np.ndarray], *,
     All contributions must already be validated float32 vectors of one length. They are
     read one at a time, in order: ``vectors`` may be a generator that decodes each only
     when it is added, and each is let go once added: then only the sum and the vector
-    being added are held (a commit at the demo default held a third 5.3 MB vector, the one
-    added before). With ``owned`` they are the caller's to give up (freshly decoded): the
-    first becomes the sum instead of being copied (the same bits). Without it nothing
-    passed in is written.
+    being added are held, not also the one added before (5.3 MB at the demo default).
+    With ``owned`` they are the caller's to give up (freshly decoded): the first becomes
+    the sum instead of being copied (the same bits). Without it nothing passed in is
+    written.
     """
     total: np.ndarray | None = None
     n = 0

@@ -10,8 +10,7 @@ model). :func:`largest_message` bounds it with room to spare (13P + 1 MiB); cont
 An honest link holds at most one message being reassembled at a time (a sender puts out
 one message per link at a time; heartbeats are single frames), so a link's receive
 budget is :data:`IN_FLIGHT` largest messages: a peer that starts more than that is
-dropped (``net.link``), instead of each link holding 64 partial messages of up to
-256 MiB as before.
+dropped (``net.link``), so no link holds more than that in partial messages.
 """
 
 from __future__ import annotations

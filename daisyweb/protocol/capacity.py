@@ -9,7 +9,7 @@ report, bounded by what the leader sees (:func:`bounded_speeds`). A member witho
 measurement yet (the first step, a joiner) counts at the mean speed of the others; with
 no measurement at all, or speeds within ``DEADBAND`` of each other, every member takes
 ``batch`` (then the average is the plain one, bit for bit). Each member takes at least
-one sequence and at most ``MAX_FACTOR`` times ``batch``, the equal share (its memory was
+one sequence and at most ``MAX_FACTOR`` times ``batch``, the equal share (its memory is
 sized for about ``batch``, and no member's weight in the average may be bought). The
 previous step's shares stay while no member's new share differs from its old one by
 more than a quarter (at least one sequence): noise does not move them,

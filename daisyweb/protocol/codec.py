@@ -43,7 +43,8 @@ class Codec(Protocol):
 
 
 class F32Codec:
-    """Little-endian float32, lossless: what lockstep gradients have always been."""
+    """Little-endian float32, lossless: DaisyChain-Web's exchange (``--sync-every 1
+    --codec f32``)."""
 
     name = "f32"
 
@@ -120,7 +121,8 @@ class Int8Codec:
 
     def _chunk(self) -> int:
         """Values per chunk of encoding work: whole blocks, about ``_CHUNK_VALUES``
-        (per chunk, not per block: int4's small blocks made 80 chunks of Python calls)."""
+        (a size in values, not a count of blocks: int4's small blocks would otherwise
+        make many more chunks, each a round of Python calls)."""
         return max(1, _CHUNK_VALUES // self.block) * self.block
 
     def values_size(self, size: int) -> int:
@@ -304,7 +306,7 @@ class Int4Codec(Int8Codec):
         packed = np.frombuffer(raw, dtype=np.uint8, count=self.values_size(size))
         if size % 2 and packed[-1] >> 4:
             raise GradientError(f"{who}: the int4 padding nibble is not 0")
-        # -8 is nibble 0b1000, in either half of a byte (a padding nibble is 0 by now)
+        # -8 is nibble 0b1000, in either half of a byte (a padding nibble is 0: checked above)
         bad = int(np.count_nonzero((packed & 0x0F) == 8)) + int(np.count_nonzero(
             (packed >> 4) == 8))
         if bad:

@@ -52,10 +52,9 @@ __all__ = [
     "decode",
 ]
 
-# 2: Config carries sync_every, codec, outer_lr; 3: Following; 4: Config carries overlap;
-# 5: Heartbeat.echo, Roster.shares and StepHashes.speed (capacity-weighted batches);
-# 6: Following.term and Roster.term (leaders elected by a majority, one per term),
-# StepHashes.digests (who sent different contributions to different members)
+# The messages below, as every peer of this version speaks them; a peer announcing another
+# version in its Hello is never listened to (protocol.leading). It goes up with any change
+# of a message's fields.
 PROTOCOL_VERSION = 6
 
 # Limits. Generous for the project's models, small enough that a hostile peer
@@ -469,7 +468,7 @@ NO_ROSTER = "00"
 def roster_digest(members: tuple[str, ...] | list[str] | None,
                   shares: tuple[int, ...] = ()) -> str:
     """Short hex digest of an ordered roster and its shares (``NO_ROSTER`` for None);
-    without shares it is the digest it always was."""
+    without shares, of the members alone."""
     if members is None:
         return NO_ROSTER
     h = hashlib.blake2b(digest_size=8)

@@ -87,7 +87,7 @@ class RunConfig:
     def from_checkpoint(cls, ckpt: Checkpoint) -> RunConfig:
         run = ckpt.run
         try:
-            # A checkpoint from before rounds (or overlap) existed was trained without them.
+            # A checkpoint without these fields was trained without them (rules.LOCKSTEP).
             mode = {k: run.get(k, v) for k, v in LOCKSTEP.items()}
             return cls(model=ckpt.model, batch=int(run["batch"]), steps=int(run["steps"]),
                        lr=float(run["lr"]), seed=int(run["seed"]), data=str(run["data"]),

@@ -48,7 +48,7 @@ def hashes_at(step: int, run_steps: int, sync_every: int, saving: bool) -> bool:
     same run config proves its replicas equal (every step in lockstep, every round's
     boundary in rounds), the last step and a saved one. The hash reads the weights and
     both moment vectors, 12P bytes (11.8 ms at the demo default against a 46 ms step):
-    at every step it took a fifth of a lone peer's wall time, and one peer alone has
+    at every step it would take a fifth of a lone peer's wall time, and one peer alone has
     nobody to prove anything to in between."""
     return saving or step == run_steps or step % sync_every == 0
 

@@ -1,8 +1,8 @@
 """Rounds of local steps (``--sync-every H``): what a member contributes and how it is applied.
 
 Lockstep (H = 1) exchanges a gradient every step and every member takes the same
-DaisyAdam step on the roster's average (:class:`LockstepTrainer`, the protocol as it has
-always been, bit for bit). Over links of a few MB/s that costs far more than the step,
+DaisyAdam step on the roster's average (:class:`LockstepTrainer`, DaisyChain-Web's scheme,
+bit for bit). Over links of a few MB/s that costs far more than the step,
 so with H > 1 (:class:`RoundTrainer`) a round is:
 
 1. every member starts from the same shared weights, the *anchor* ``a``;
@@ -20,7 +20,7 @@ by design (each saw its own batches); a checkpoint holds the saving peer's momen
 joiner starts its inner state from the snapshot's (the leader's) moments.
 
 The outer step is plain averaging with learning rate 1 and no momentum by default: on
-this project's runs of a few hundred steps it reached a given held-out loss soonest
+this project's runs of a few hundred steps it reaches a given held-out loss soonest
 (``python -m bench.scaling``; numbers in ``docs/limits.md``). ``outer_lr`` stays a run
 setting for longer runs, where DiLoCo's larger outer steps may pay off.
 
@@ -29,7 +29,7 @@ round ``r``'s anchor to start round ``r + 1``: :meth:`RoundTrainer.head_start` t
 first K steps from the member's own end-of-round weights ``w`` (and inner moments). When
 the anchor ``a'`` arrives, :meth:`RoundTrainer.contribute` goes on from
 ``a' - (w - w_K)`` -- the head start's progress moved onto the anchor -- for the rest of
-the round, and the delta is measured from ``a'`` as always. Only what a member computes
+the round, and the delta is measured from ``a'`` as in any round. Only what a member computes
 changes; the shared state still comes from the decoded bytes alone.
 
 Threads: :meth:`contribute` runs in a worker thread while the event loop may roll the
@@ -327,7 +327,7 @@ class RoundTrainer:
         committed moments are read again only by that rare rollback and by a snapshot,
         and moments are this member's alone (never hashed, never averaged), so holding
         both through every boundary, 8P bytes (10.6 MB at the demo default) while the
-        head start copies them once more, bought nothing.
+        head start copies them once more, would buy nothing.
         """
         inner = contribution.inner
         if inner is None:
