@@ -47,7 +47,11 @@ from daisyweb.protocol.membership import Membership
 if TYPE_CHECKING:
     from daisyweb.protocol.hashes import HashBook
 
-__all__ = ["LeaderDuties"]
+__all__ = ["LeaderDuties", "SNAPSHOT_WAIT_FLOOR_S"]
+
+SNAPSHOT_WAIT_FLOOR_S = 10.0
+"""The least the group waits for a joiner to confirm its snapshot: three times the
+longest confirmation seen, never less than this."""
 
 
 class LeaderDuties:
@@ -68,6 +72,7 @@ class LeaderDuties:
         leadership: Leadership
         unit: str
         _observed: dict[str, float]
+        _confirm_s: float
         deadline: Deadline
         _equivocation: Callable[[int, str], str | None]
         _stop: Callable[[list[Action], int, str, bool], None]
@@ -179,9 +184,15 @@ class LeaderDuties:
         if b < self.total_steps:
             # Joiners get a snapshot of this boundary before its roster is named.
             out.extend(SendSnapshot(p, b) for p in self.members.offer_snapshots(b, now))
-            if any(p not in have for p in self.members.offered_at(b)):
+            # The group waits for a joiner's confirmation no longer than a snapshot takes
+            # (measured); a later one finds the group gone on and asks again (rejoins).
+            wait = max(SNAPSHOT_WAIT_FLOOR_S, 3.0 * self._confirm_s)
+            if any(p not in have and now - self.members.pending.get(p, now) < wait
+                   for p in self.members.offered_at(b)):
                 return
         joiners = [p for p in self.members.offered_at(b) if p in have]
+        for p in joiners:  # how long a snapshot took, offer to confirmation
+            self._confirm_s = max(self._confirm_s, now - self.members.pending.get(p, now))
         if not self._judge(out, b, have, expected, joiners):
             return
         self.members.admit(joiners)

@@ -141,6 +141,7 @@ class StepMachine(LeaderDuties, HashDuties):
         self.unit = unit  # what one of our steps is, in the lines we write: step or round
         self.inner_steps = inner_steps  # optimizer steps in one of ours (a round's H)
         self._observed: dict[str, float] = {}  # leader: member -> speed seen (sequences/s)
+        self._confirm_s = 0.0  # leader: the longest a joiner took to confirm its snapshot
         self.deadline = Deadline()  # leader: round times, late members
         self._averaged: dict[int, tuple[str, ...]] = {}  # boundary -> digests we averaged
         self.version = version  # what this peer speaks (a test hook may change it)
@@ -400,6 +401,11 @@ class StepMachine(LeaderDuties, HashDuties):
             # The peer follows nobody: it rejoins (cut off) and is a joiner from now on.
             self.leadership.record(peer, "", 0)
             self._left.add(peer)
+            if peer in self.members.pending and self.is_leader:
+                # A joiner whose snapshot went stale (the group went on): offer a new one.
+                self.members.forget_joiner(peer)
+                self.members.came_up(peer, now)
+                return
             if peer in self.members.participants or peer == self.leader:
                 self.members.went_down(peer)
                 self._lost(out, peer, now)

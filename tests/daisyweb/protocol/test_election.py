@@ -283,3 +283,38 @@ def test_a_member_that_leaves_on_purpose_no_longer_counts_toward_the_majority() 
     bus.kill("b")
     _release(bus)
     assert "no majority" in bus.cut_offs["a"].reason
+
+
+def test_the_group_waits_for_a_joiners_snapshot_no_longer_than_a_snapshot_takes() -> None:
+    from daisyweb.protocol.leading import SNAPSHOT_WAIT_FLOOR_S
+
+    bus = ElectionBus(["a", "b", "c"], steps=8)
+    a = bus.machines["a"]
+    a.join_timeout = 60.0
+    bus.start()
+    _settle(bus, 2)
+    bus.handle("a", a.peer_up("ghost", bus.now))  # offered a snapshot; never confirms
+    _release(bus)
+    assert bus.replicas["a"].step == 3 and [s.peer for s in bus.snapshots] == ["ghost"]
+    bus.advance(SNAPSHOT_WAIT_FLOOR_S - 1.0)
+    assert bus.replicas["a"].step == 3  # the roster waits for the joiner...
+    bus.advance(2.0)
+    assert set(bus.finished) == {"a", "b", "c"}  # ...a snapshot's time, not join_timeout
+    assert not any(e.peer == "ghost" for e in bus.excluded)
+
+
+def test_a_joiner_whose_snapshot_went_stale_is_offered_a_new_one() -> None:
+    bus = ElectionBus(["a", "b", "c"], steps=8)
+    a = bus.machines["a"]
+    a.join_timeout = 60.0
+    bus.start()
+    _settle(bus, 2)
+    bus.handle("a", a.peer_up("ghost", bus.now))
+    _release(bus)
+    bus.hold_compute.update("abc")
+    bus.advance(11.0)  # the group goes on without it: roster 3 named, computes held
+    assert bus.replicas["a"].step == 3 and "ghost" not in (a.roster(3) or ())
+    # the joiner finds the group gone on and asks again, as a rejoining peer does
+    bus.handle("a", a.message("ghost", wire.Following("", 0), bus.now))
+    _release(bus)
+    assert [s.step for s in bus.snapshots if s.peer == "ghost"] == [3, 4]
