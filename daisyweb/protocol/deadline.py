@@ -20,7 +20,7 @@ from collections import deque
 __all__ = ["Deadline", "FIRST_S", "FLOOR_S", "MAX_MISSES"]
 
 FIRST_S = 120.0
-FLOOR_S = 5.0
+FLOOR_S = 3.0
 MEDIAN_FACTOR = 3.0
 MAD_FACTOR = 6.0
 WINDOW = 20
