@@ -342,11 +342,21 @@ class Driver:
 
     # ------------------------------------------------------------------ loop
     async def _loop(self) -> None:
+        last = time.monotonic()  # when the loop last took an item (ticks come every TICK_S)
         while self.result is None:
             if self.cut_off is not None and self.machine is not None:
                 await self._rejoin(self.cut_off)
+                last = time.monotonic()
                 continue
-            await self._handle(await self.queue.get())
+            item = await self.queue.get()
+            now = time.monotonic()
+            stood, last = now - last, now
+            m = self.machine
+            if stood > self.opts.heartbeat_timeout and m is not None and not m.done:
+                # The others have dropped us meanwhile: act on nothing from before.
+                await self._do(m.stood_still(stood))
+                continue
+            await self._handle(item)
 
     async def _rejoin(self, cut: sync.CutOff) -> None:
         """Cut off from the group: keep the last committed state on disk, drop this

@@ -287,6 +287,16 @@ class StepMachine(LeaderDuties, HashDuties):
             self._progress(out, now)
         return out
 
+    def stood_still(self, seconds: float) -> list[Action]:
+        """This peer did nothing for ``seconds``, longer than the others wait for a silent
+        link (it was paused, or starved of CPU): they have dropped it, and whatever it
+        would decide now (a deadline, an amendment, a commit as a deposed leader) could
+        fork the group. It is cut off before it acts, and rejoins."""
+        out: list[Action] = []
+        self._cut_off(out, f"this peer stood still {seconds:.1f} s (paused or starved of "
+                           f"CPU), longer than the group waits for a silent member")
+        return out
+
     def halt(self, step: int, reason: str) -> list[Action]:
         """This peer cannot go on (e.g. computing its contribution failed): tell the group
         and stop at ``step`` with the state untouched."""

@@ -318,3 +318,19 @@ def test_a_joiner_whose_snapshot_went_stale_is_offered_a_new_one() -> None:
     bus.handle("a", a.message("ghost", wire.Following("", 0), bus.now))
     _release(bus)
     assert [s.step for s in bus.snapshots if s.peer == "ghost"] == [3, 4]
+
+
+def test_a_peer_that_stood_still_is_cut_off_before_it_acts() -> None:
+    """A leader woken from a pause holds, in its own view, a round whose deadline passed
+    long ago: amending it and committing would fork the group. It is cut off first."""
+    bus = ElectionBus(["a", "b", "c"], steps=6)
+    bus.start()
+    _settle(bus, 2)
+    a = bus.machines["a"]
+    before = bus.replicas["a"].step
+    out = a.stood_still(12.0)
+    bus.handle("a", out)
+    assert "stood still 12.0 s" in bus.cut_offs["a"].reason and a.done
+    assert any(isinstance(x, Send) and x.message == wire.Following("", 0) for x in out)
+    bus.advance(30.0)  # nothing it held is acted on any more
+    assert bus.replicas["a"].step == before and not bus.commits["a"][before:]
