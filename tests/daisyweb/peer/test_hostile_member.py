@@ -34,6 +34,14 @@ def _start(group: Group, attack: str, codec: str = "int4", steps: int = 24,
     return lead, honest, bad
 
 
+def _stop(bad: Peer) -> None:
+    """The hostile member's own end does not matter (it may wait to rejoin a group that
+    has ended): stop it once the honest peers are done."""
+    if bad.proc.poll() is None:
+        bad.proc.kill()
+    bad.proc.wait()
+
+
 def _clean_end(*peers: Peer) -> None:
     for p in peers:
         text = p.log.read_text()
@@ -48,7 +56,7 @@ def test_huge_scales_are_held_to_the_bound_and_nothing_is_poisoned(group: Group,
                                                                    codec: str) -> None:
     lead, honest, bad = _start(group, "scale", codec)
     assert [lead.wait(), honest.wait()] == [0, 0], group.logs()
-    bad.wait()
+    _stop(bad)
     assert lead.end()["weight_hash"] == honest.end()["weight_hash"]
     bad_id = bad.id()
     assert f"held the contribution of {bad_id}" in lead.log.read_text(), group.logs()
@@ -83,7 +91,7 @@ def test_a_withholding_member_costs_a_deadline_per_round_then_is_dropped(group: 
                                                                           ) -> None:
     lead, honest, bad = _start(group, "withhold", steps=40)
     assert [lead.wait(), honest.wait()] == [0, 0], group.logs()
-    bad.wait()
+    _stop(bad)
     text = lead.log.read_text()
     bad_id = bad.id()
     assert f"{bad_id} missed the deadline of round" in text, group.logs()
@@ -99,7 +107,7 @@ def test_a_withholding_member_costs_a_deadline_per_round_then_is_dropped(group: 
 def test_equivocation_halts_naming_its_sender(group: Group) -> None:
     lead, honest, bad = _start(group, "equivocate")
     codes = [lead.wait(), honest.wait()]
-    bad.wait()
+    _stop(bad)
     bad_id = bad.id()
     assert codes == [1, 1], group.logs()
     for p in (lead, honest):
@@ -113,7 +121,7 @@ def test_equivocation_halts_naming_its_sender(group: Group) -> None:
 def test_escape_codes_from_a_member_never_reach_a_terminal_raw(group: Group) -> None:
     lead, honest, bad = _start(group, "escape")
     assert [lead.wait(), honest.wait()] == [1, 1], group.logs()
-    bad.wait()
+    _stop(bad)
     raw = re.compile("[\x00-\x08\x0b-\x1f\x7f-\x9f\u202a-\u202e]")
     for p in (lead, honest):
         text = p.log.read_text()
