@@ -14,7 +14,7 @@ import logging
 import re
 import threading
 from collections.abc import Iterator
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from http.server import ThreadingHTTPServer
 
 import pyarrow as pa
 import pyarrow.parquet as pq
@@ -22,6 +22,7 @@ import pytest
 
 from signaling.fineweb import FineWebReader
 from signaling.hubdata import DatasetMissing, DatasetSpec, safe_file_name, select_files
+from tests.signaling.test_dataset import FakeHub
 
 REPO = "someone/tricky"
 SHA = "cd" * 20
@@ -38,24 +39,11 @@ def _parquet() -> bytes:
     return out.getvalue()
 
 
-class TrickyHub(BaseHTTPRequestHandler):
+class TrickyHub(FakeHub):
+    """test_dataset's fake Hub (its quiet log, replies and HEAD), listing hostile names."""
+
     paths: list[str] = []
     data = _parquet()
-
-    def log_message(self, *args: object) -> None:  # quiet
-        pass
-
-    def _send(self, status: int, body: bytes, headers: dict[str, str]) -> None:
-        self.send_response(status)
-        for k, v in headers.items():
-            self.send_header(k, v)
-        self.send_header("Content-Length", str(len(body)))
-        self.end_headers()
-        if self.command != "HEAD":
-            self.wfile.write(body)
-
-    def do_HEAD(self) -> None:  # noqa: N802
-        self.do_GET()
 
     def do_GET(self) -> None:  # noqa: N802
         path = self.path.split("?")[0]
