@@ -27,7 +27,7 @@ from dataclasses import dataclass, field
 
 from daisyweb.protocol import wire
 
-__all__ = ["Leadership", "reaches_majority", "strict_majority"]
+__all__ = ["Leadership", "reachable", "reaches_majority", "strict_majority"]
 
 
 def strict_majority(count: int, total: int) -> bool:
@@ -35,11 +35,15 @@ def strict_majority(count: int, total: int) -> bool:
     return 2 * count > total
 
 
+def reachable(electorate: Sequence[str], self_id: str, down: Collection[str]) -> int:
+    """Members of ``electorate`` this peer reaches: itself and those it has links to."""
+    return sum(1 for p in electorate if p == self_id or p not in down)
+
+
 def reaches_majority(electorate: Sequence[str], self_id: str, down: Collection[str]) -> bool:
     """Whether this peer, with the members it still has links to, is a strict majority of
     ``electorate`` (a peer outside the electorate, a joiner, counts itself only)."""
-    reach = sum(1 for p in electorate if p == self_id or p not in down)
-    return strict_majority(reach, len(electorate))
+    return strict_majority(reachable(electorate, self_id, down), len(electorate))
 
 
 @dataclass

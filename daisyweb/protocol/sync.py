@@ -71,7 +71,7 @@ from daisyweb.protocol.actions import (
 from daisyweb.protocol.averaging import GradientError, average_parts_in_roster_order
 from daisyweb.protocol.codec import F32, Codec, check_payload, decode_parts
 from daisyweb.protocol.deadline import Deadline
-from daisyweb.protocol.election import Leadership, reaches_majority
+from daisyweb.protocol.election import Leadership, reachable, strict_majority
 from daisyweb.protocol.hashes import HashBook, HashDuties
 from daisyweb.protocol.influence import clip_factors, squared_norm
 from daisyweb.protocol.leading import LeaderDuties
@@ -690,11 +690,9 @@ class StepMachine(LeaderDuties, HashDuties):
             b = self.boundary
             if self._try_commit(out, b):
                 continue
-            if self._had_roster and not reaches_majority(self.electorate(), self.self_id,
-                                                         self._unlinked):
-                electorate = self.electorate()
-                reach = sum(1 for p in electorate
-                            if p == self.self_id or p not in self._unlinked)
+            electorate = self.electorate() if self._had_roster else ()
+            reach = reachable(electorate, self.self_id, self._unlinked)
+            if self._had_roster and not strict_majority(reach, len(electorate)):
                 self._cut_off(out, f"cut off from the group: {reach} of the last roster's "
                                    f"{len(electorate)} members reachable, no majority")
                 return
