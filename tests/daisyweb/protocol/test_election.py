@@ -12,7 +12,7 @@ import pytest
 
 from daisyweb.protocol import wire
 from daisyweb.protocol.election import Leadership, reaches_majority, strict_majority
-from daisyweb.protocol.sync import CutOff, Leading, Phase, Send
+from daisyweb.protocol.sync import CutOff, Leading, Phase, Send, StepMachine
 from daisyweb.training.replay import replay
 from tests.daisyweb.protocol.test_sync import ADAM, Bus, initial_params
 
@@ -285,16 +285,23 @@ def test_a_member_that_leaves_on_purpose_no_longer_counts_toward_the_majority() 
     assert "no majority" in bus.cut_offs["a"].reason
 
 
-def test_the_group_waits_for_a_joiners_snapshot_no_longer_than_a_snapshot_takes() -> None:
-    from daisyweb.protocol.leading import SNAPSHOT_WAIT_FLOOR_S
-
+def _ghost_joiner() -> tuple[ElectionBus, StepMachine]:
+    """Three members at boundary 3; the leader ``a`` offered "ghost" a snapshot of it,
+    which it never confirms (the join timeout far off)."""
     bus = ElectionBus(["a", "b", "c"], steps=8)
     a = bus.machines["a"]
     a.join_timeout = 60.0
     bus.start()
     _settle(bus, 2)
-    bus.handle("a", a.peer_up("ghost", bus.now))  # offered a snapshot; never confirms
+    bus.handle("a", a.peer_up("ghost", bus.now))
     _release(bus)
+    return bus, a
+
+
+def test_the_group_waits_for_a_joiners_snapshot_no_longer_than_a_snapshot_takes() -> None:
+    from daisyweb.protocol.leading import SNAPSHOT_WAIT_FLOOR_S
+
+    bus, _ = _ghost_joiner()
     assert bus.replicas["a"].step == 3 and [s.peer for s in bus.snapshots] == ["ghost"]
     bus.advance(SNAPSHOT_WAIT_FLOOR_S - 1.0)
     assert bus.replicas["a"].step == 3  # the roster waits for the joiner...
@@ -304,13 +311,7 @@ def test_the_group_waits_for_a_joiners_snapshot_no_longer_than_a_snapshot_takes(
 
 
 def test_a_joiner_whose_snapshot_went_stale_is_offered_a_new_one() -> None:
-    bus = ElectionBus(["a", "b", "c"], steps=8)
-    a = bus.machines["a"]
-    a.join_timeout = 60.0
-    bus.start()
-    _settle(bus, 2)
-    bus.handle("a", a.peer_up("ghost", bus.now))
-    _release(bus)
+    bus, a = _ghost_joiner()
     bus.hold_compute.update("abc")
     bus.advance(11.0)  # the group goes on without it: roster 3 named, computes held
     assert bus.replicas["a"].step == 3 and "ghost" not in (a.roster(3) or ())
