@@ -156,6 +156,10 @@ class LeaderDuties:
             if self.deadline.missed(p):
                 self._exclude(out, b, p, f"{p} missed the deadline of "
                                          f"{self.deadline.misses[p]} {self.unit}s in a row")
+            else:
+                # Nor is it waited for at the next boundary: it comes back as a joiner
+                # (it finds the group gone on without it, or wakes cut off).
+                self.members.leave(p)
 
     def _lead(self, out: list[Action], b: int, now: float) -> None:
         st = self._ledger.get(b)

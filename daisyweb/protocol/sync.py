@@ -425,6 +425,9 @@ class StepMachine(LeaderDuties, HashDuties):
                         self._amend(out, self.boundary, peer, now)
                     if peer not in self.members.excluded:
                         self.members.came_up(peer, now)  # a joiner from now on
+            elif self.is_leader and self.members.alive(peer):
+                # A member left out of the group (a missed deadline) asks to come back.
+                self.members.came_up(peer, now)
             return
         self.leadership.record(peer, msg.leader, msg.term)
         self._check_elected(out, now)

@@ -4,6 +4,7 @@ is dropped; an honest group never trips it."""
 
 from __future__ import annotations
 
+from daisyweb.protocol import wire
 from daisyweb.protocol.deadline import FIRST_S, FLOOR_S, MAX_MISSES, Deadline
 from tests.daisyweb.protocol.test_election import ElectionBus, _settle
 
@@ -50,3 +51,28 @@ def test_a_withholding_member_is_left_out_after_the_deadline_and_the_group_goes_
     bus.advance(bus.machines["a"].join_timeout + 1.0)
     assert set(bus.finished) == {"a", "b", "d"} and not bus.stopped
     assert len({bus.replicas[p].weight_hash() for p in "abd"}) == 1
+
+
+def test_a_member_that_missed_the_deadline_is_not_waited_for_at_the_next_boundary() -> None:
+    # c falls silent without its links dropping (a pause shorter than the heartbeat
+    # timeout, or a peer starved of CPU): after one deadline the group names the next
+    # roster without waiting for c's hashes, and offers c a snapshot once it asks back.
+    bus = ElectionBus(["a", "b", "c", "d"], steps=8)
+    bus.start()
+    _settle(bus, 4)
+    for q in "abd":
+        bus.cut.add(frozenset(("c", q)))  # nothing from c arrives, nothing reaches it
+    bus.hold_compute.difference_update("abd")
+    bus.run()
+    bus.hold_compute.update("abd")  # round 4 is in; the next contributions wait
+    bus.advance(FLOOR_S + 0.5)
+    a = bus.machines["a"]
+    assert bus.replicas["a"].step == 5, "the group waited for c's hashes"
+    assert a.roster(5) == ("a", "b", "d")
+    assert a.members.alive("c") and not any("in a row" in e.reason for e in bus.excluded)
+    bus.cut.clear()
+    bus.handle("a", a.message("c", wire.Following("", 0), bus.now))
+    assert list(a.members.pending) == ["c"]  # a joiner from now on
+    bus.hold_compute.clear()
+    bus.run()
+    assert [s.peer for s in bus.snapshots] == ["c"]
