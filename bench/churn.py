@@ -17,8 +17,8 @@ model (width 32, 1 layer, 2 heads, seq 32, batch 2; the default rounds mode).
    ``--fault-every`` seconds, in turn: a follower SIGKILLed, the leader SIGKILLed, a
    joiner, a follower SIGSTOPped for 10 s, one for 30 s, the leader for 10 s (a follower
    victim: one in the last roster, hit least often so far, then the youngest). A killed
-   peer is replaced by a new joiner at once (the group stays at ``--peers`` to 8; a joiner
-   into a group of 8 comes after a follower left with SIGTERM); a stopped peer
+   peer is replaced by a new joiner at once, and the joiner comes after a follower left
+   with SIGTERM (the group stays at ``--peers``, the fault-free run's size); a stopped peer
    is SIGCONTed after its pause and then rejoins or exits (which is recorded, with its
    exit code and last log line). After ``--minutes`` the faults stop and the group trains
    to its budget. Per fault: time to the next commit, to the first roster without the
@@ -494,12 +494,14 @@ class Churn:
         f = Fault(kind, time.time(), leader_before=self.leader())
         self.faults.append(f)
         if kind == "joiner":
-            if len(g.members()) >= MAX_GROUP:
+            if len(g.members()) >= self.target:
+                # Room for the joiner: a follower leaves cleanly, so that the group keeps
+                # its size and the fault-free run of that size stays the reference.
                 old = self.follower()
-                if old is not None:  # room for the joiner: a follower leaves cleanly
+                if old is not None:
                     old.fate, old.gone_at = "retired", time.time()
                     g.send(old, signal.SIGTERM)
-                    f.note = f"{old.name} left first (SIGTERM; the group was at {MAX_GROUP})"
+                    f.note = f"{old.name} left first (SIGTERM)"
             f.joiner = g.spawn()
             return f
         victim = f.leader_before if kind.startswith("leader") else self.follower()

@@ -15,6 +15,10 @@ pause that finds every link dead, or the smaller side of a partition -- never na
 roster: it is *cut off* (:func:`reaches_majority` fails, or no leader is confirmed in
 time) and rejoins the group as a joiner, taking the group's state.
 
+Members that picked successors from different views of who is alive can split the vote;
+an election without a majority after ``RUNOFF_S`` runs off, every member declaring the
+leader most of them declared, for the next term.
+
 A roster of the same term from a second leader is evidence of two leaders of one run:
 the step machine halts naming both. Terms are carried in ``Roster.term``.
 """
@@ -27,7 +31,11 @@ from dataclasses import dataclass, field
 
 from daisyweb.protocol import wire
 
-__all__ = ["Leadership", "reachable", "reaches_majority", "strict_majority"]
+__all__ = ["RUNOFF_S", "Leadership", "reachable", "reaches_majority", "strict_majority"]
+
+RUNOFF_S = 3.0
+"""An election with no majority behind one leader this long after a peer declared runs
+off (:meth:`Leadership.runoff`): a normal one is confirmed within a round trip or two."""
 
 
 def strict_majority(count: int, total: int) -> bool:
@@ -58,6 +66,7 @@ class Leadership:
     # Term 0's leader started the run; every member took its snapshot from it.
     confirmed: bool = True
     since: float = 0.0  # when this peer began to follow ``leader`` in ``term``
+    leaderless_since: float = 0.0  # when the election now running began
     declared: dict[str, tuple[str, int]] = field(default_factory=dict)  # peer -> (leader, term)
 
     @property
@@ -74,6 +83,8 @@ class Leadership:
         """Follow ``leader`` in ``term`` (never an earlier term); the declaration to send."""
         if term < self.term:
             raise ValueError(f"term {term} is before term {self.term}")
+        if self.confirmed:
+            self.leaderless_since = now  # an election begins (a runoff continues it)
         self.leader, self.term = leader, term
         self.confirmed = False
         self.since = now
@@ -92,6 +103,24 @@ class Leadership:
     def votes(self, leader: str, term: int, electorate: Sequence[str]) -> int:
         """Members of ``electorate`` that declared ``leader`` for ``term``."""
         return sum(1 for p in electorate if self.declared.get(p) == (leader, term))
+
+    def runoff(self, electorate: Sequence[str]) -> tuple[str, int] | None:
+        """Whom to declare when no majority stood behind one leader in time (the members
+        picked successors from different views of who is alive): a later term's leader
+        that some member already declared, else the leader most members of ``electorate``
+        declared for our term, the first in ``electorate``'s order on a tie, for the next
+        term. Every member that saw the same declarations picks the same leader."""
+        top = max((t for p, (_, t) in self.declared.items() if p in electorate),
+                  default=self.term)
+        counts = Counter(leader for p, (leader, t) in self.declared.items()
+                         if p in electorate and t == top)
+        if not counts:
+            return None
+        most = max(counts.values())
+        order = {p: i for i, p in enumerate(electorate)}
+        leader = min((c for c, n in counts.items() if n == most),
+                     key=lambda c: order.get(c, len(order)))
+        return leader, (top if top > self.term else self.term + 1)
 
     def elected(self, electorate: Sequence[str]) -> tuple[str, int] | None:
         """The (leader, term) of at least our term that a strict majority of ``electorate``

@@ -71,7 +71,7 @@ from daisyweb.protocol.actions import (
 from daisyweb.protocol.averaging import GradientError, average_parts_in_roster_order
 from daisyweb.protocol.codec import F32, Codec, check_payload, decode_parts
 from daisyweb.protocol.deadline import Deadline
-from daisyweb.protocol.election import Leadership, reachable, strict_majority
+from daisyweb.protocol.election import RUNOFF_S, Leadership, reachable, strict_majority
 from daisyweb.protocol.hashes import HashBook, HashDuties
 from daisyweb.protocol.influence import clip_factors, squared_norm
 from daisyweb.protocol.leading import LeaderDuties
@@ -336,11 +336,15 @@ class StepMachine(LeaderDuties, HashDuties):
         if self.done:
             return out
         lead = self.leadership
-        if not lead.confirmed and now - lead.since >= self.election_timeout:
+        if not lead.confirmed and now - lead.leaderless_since >= self.election_timeout:
             who = "this peer" if lead.leader == self.self_id else lead.leader
             self._cut_off(out, f"no majority of the last roster confirmed {who} as leader "
                                f"of term {lead.term} within {self.election_timeout:g} s")
             return out
+        if not lead.confirmed and now - lead.since >= RUNOFF_S:
+            choice = lead.runoff(self.electorate())
+            if choice is not None:
+                self._follow(out, *choice, now)
         st = self._ledger.get(self.boundary)
         if st is not None and st.roster is not None and st.own_sent_at is not None:
             if now - st.own_sent_at >= self.repair_after:

@@ -11,7 +11,12 @@ from collections.abc import Iterable
 import pytest
 
 from daisyweb.protocol import wire
-from daisyweb.protocol.election import Leadership, reaches_majority, strict_majority
+from daisyweb.protocol.election import (
+    RUNOFF_S,
+    Leadership,
+    reaches_majority,
+    strict_majority,
+)
 from daisyweb.protocol.sync import CutOff, Leading, Phase, Send, StepMachine
 from daisyweb.training.replay import replay
 from tests.daisyweb.protocol.test_sync import ADAM, Bus, initial_params
@@ -143,6 +148,39 @@ def test_a_paused_leader_is_replaced_by_a_majority_and_cut_off_on_waking(seed: i
     assert set(bus.finished) == {"b", "c", "d"} and not bus.stopped
     assert len(_hashes(bus, "bcd")) == 1
     assert _hashes(bus, "b") == {replay(initial_params(), ADAM, bus.oracle_steps("b"))}
+
+
+def test_a_split_vote_runs_off_to_one_leader() -> None:
+    # c and e saw b go and come back late: when the leader dies they pick c, while b and
+    # d pick b. Two votes each of five: no majority. The runoff names the leader most
+    # declared (b and c tie: b, first in the roster) for term 2, and the group goes on.
+    bus = ElectionBus(["a", "b", "c", "d", "e"], steps=8)
+    bus.start()
+    _settle(bus, 3)
+    for p in "ce":
+        bus.machines[p].members.down.add("b")
+    bus.kill("a")
+    bus.run()
+    declared = {p: bus.machines[p].leadership.declared.get(p) for p in "bcde"}
+    assert declared == {"b": ("b", 1), "c": ("c", 1), "d": ("b", 1), "e": ("c", 1)}
+    for p in "ce":
+        bus.handle(p, bus.machines[p].peer_up("b", bus.now))  # the link is back
+    _release(bus)
+    assert bus.replicas["b"].step == 3  # nobody leads yet
+    bus.advance(RUNOFF_S + 0.5)
+    assert not bus.cut_offs and not bus.stopped
+    assert all(bus.machines[p].leader == "b" and bus.machines[p].term == 2 for p in "bcde")
+    assert set(bus.finished) == {"b", "c", "d", "e"}
+    assert len(_hashes(bus, "bcde")) == 1
+
+
+def test_a_runoff_joins_a_later_terms_declaration() -> None:
+    lead = Leadership("c", "a")
+    lead.follow("c", 1, 0.0)
+    for peer, leader, term in [("b", "b", 1), ("d", "b", 2), ("e", "c", 1)]:
+        lead.record(peer, leader, term)
+    assert lead.runoff(("a", "b", "c", "d", "e")) == ("b", 2)  # d ran off first: join it
+    assert lead.runoff(("a", "c", "e")) == ("c", 2)  # only c's declarations count here
 
 
 def test_two_against_two_commits_nothing_and_both_halves_say_so() -> None:
