@@ -2,24 +2,20 @@
 
 :class:`HashBook` holds (weight hash, probe hash, roster hash) per peer per boundary, the
 latest message winning, and the machine's own; only boundaries ``b - 1 .. b + 1`` around
-the machine's own are kept. :class:`HashDuties` is the mixin of
-``daisyweb.protocol.sync.StepMachine`` that publishes its hashes at each boundary, records
-the others' and stops on a fork (a member of the last roster whose weights differ), so a
-fork stops everyone even if the leader's ``Halt`` is lost. The leader's own guard over
-all of them is ``daisyweb.protocol.judge``.
+the machine's own are kept. :class:`HashCheck`, the step machine's collaborator, owns the
+book: it makes the message the machine publishes at each boundary, records the others'
+and gives the reason to stop on a fork (a member of the last roster whose weights
+differ), which every peer checks itself, so a fork stops everyone even if the leader's
+``Halt`` is lost. The leader's own guard over all of them is ``daisyweb.protocol.judge``.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import TYPE_CHECKING
 
 from daisyweb.protocol import wire
-from daisyweb.protocol.actions import Action, Replica, Send
-from daisyweb.protocol.ledger import StepLedger
-from daisyweb.protocol.membership import Membership
 
-__all__ = ["HashBook", "HashDuties"]
+__all__ = ["HashBook", "HashCheck"]
 
 Hashes = tuple[str, str]  # (weight hash, probe hash)
 
@@ -81,86 +77,63 @@ class HashBook:
         }
 
 
-class HashDuties:
-    """Hash publishing and fork checks of ``StepMachine`` (see the module docstring)."""
+class HashCheck:
+    """This peer's hashes and the checks on everyone's: what it publishes at a boundary
+    (its weights, its kernel probe, the roster that produced them, its speed and the
+    digests of what it averaged), the others' it recorded, and the reason to stop when a
+    member's weights differ. The step machine asks; it acts on the answers."""
 
-    self_id: str
-    replica: Replica
-    probe: Callable[[], str]
-    members: Membership
-    _hashes: HashBook
-    _ledger: StepLedger
-    speed: float  # sequences per second of our last contribution (0: none yet)
-    unit: str  # step or round, in the lines we write
-    _averaged: dict[int, tuple[str, ...]]  # boundary -> digests of what we averaged
+    def __init__(self, self_id: str, unit: str) -> None:
+        self.self_id = self_id
+        self.unit = unit  # step or round, in the reasons we write
+        self.book = HashBook()
+        self.averaged: dict[int, tuple[str, ...]] = {}  # boundary -> digests we averaged
 
-    if TYPE_CHECKING:  # provided by StepMachine
-        boundary: int
-        _stop: Callable[[list[Action], int, str, bool], None]
-        _finish: Callable[[list[Action], int], None]
+    def averaged_at(self, b: int, digests: tuple[str, ...]) -> None:
+        """The digests of the contributions whose sum produced boundary ``b``, in roster
+        order (published with our hashes: they name an equivocating member)."""
+        self.averaged = {b: digests}
 
-    def _publish_hashes(self, out: list[Action]) -> None:
-        b = self.boundary
-        rh = self._ledger.digest_before(b)
-        hashes = (self.replica.weight_hash(), self.probe())
-        self._hashes.publish_own(b, self.self_id, hashes, rh)
-        speed = min(max(self.speed, 0.0), wire.MAX_SPEED)
+    def publish(self, b: int, hashes: Hashes, roster_hash: str,
+                speed: float) -> wire.StepHashes:
+        """Our hashes at boundary ``b``, recorded; the message that tells everyone."""
+        self.book.publish_own(b, self.self_id, hashes, roster_hash)
+        speed = min(max(speed, 0.0), wire.MAX_SPEED)
         if speed > 0.0:
-            self._hashes.speeds.setdefault(b, {})[self.self_id] = speed
-        digests = self._averaged.get(b, ())
-        self._hashes.digests.setdefault(b, {})[self.self_id] = digests
-        out.append(Send(None, wire.StepHashes(b, self.self_id, *hashes, rh, speed, digests)))
-        for peer in self._hashes.peers_at(b):
-            self._check_fork(out, b, peer)
+            self.book.speeds.setdefault(b, {})[self.self_id] = speed
+        digests = self.averaged.get(b, ())
+        self.book.digests.setdefault(b, {})[self.self_id] = digests
+        return wire.StepHashes(b, self.self_id, *hashes, roster_hash, speed, digests)
 
-    def _valid_hashes(self, b: int) -> dict[str, tuple[str, str]]:
-        """Hashes at ``b`` comparable with ours: made with the roster we applied."""
-        mine = self._ledger.digest_before(b)
-        return self._hashes.comparable(b, mine, self.members.offered.get)
+    def own(self, b: int) -> Hashes:
+        return self.book.own[b]
 
-    def _on_hashes(self, out: list[Action], peer: str, msg: wire.StepHashes) -> None:
-        if msg.sender != peer:
-            return  # hashes are never relayed
-        b = msg.step
-        if b < self.boundary - 1 or b > self.boundary + 1:
-            return
-        self._hashes.record(b, peer, msg.weight_hash, msg.probe_hash, msg.roster_hash,
-                            msg.speed, msg.digests)
-        self._check_fork(out, b, peer)
+    def record(self, msg: wire.StepHashes) -> None:
+        self.book.record(msg.step, msg.sender, msg.weight_hash, msg.probe_hash,
+                         msg.roster_hash, msg.speed, msg.digests)
 
-    def _check_fork(self, out: list[Action], b: int, peer: str) -> None:
-        # Each peer judges the members of the step that produced boundary b itself, so
-        # a fork stops everyone even if the leader's Halt is lost; joiners and excluded
-        # peers are the leader's call.
-        own = self._hashes.own.get(b)
-        if own is None or peer == self.self_id or b != self.boundary:
-            return
-        if peer not in self._ledger.committed.get(b - 1, ()):
-            return
-        theirs = self._valid_hashes(b).get(peer)
-        if theirs is not None and theirs[0] != own[0]:
-            self._stop(out, b, self._fork_reason(b, peer, theirs[0], own[0]), broadcast=True)
+    def fork(self, b: int, peer: str, roster: tuple[str, ...],
+             theirs: Hashes | None) -> str | None:
+        """Why to stop at our boundary ``b``: ``peer``, a member of ``roster`` (the one
+        that produced ``b``), has other weights than ours (``theirs``: its hashes made
+        with the same roster, if any). None if nothing is wrong or nothing is known yet;
+        joiners and excluded peers are the leader's call."""
+        own = self.book.own.get(b)
+        if own is None or peer == self.self_id or peer not in roster:
+            return None
+        if theirs is None or theirs[0] == own[0]:
+            return None
+        return self.equivocation(b, peer, roster) or (
+            f"weight hash mismatch at {self.unit} {b}: {peer} has {theirs[0][:16]}, "
+            f"{self.self_id} has {own[0][:16]}")
 
-    def _fork_reason(self, b: int, peer: str, theirs: str, own: str) -> str:
-        """Why our weights and ``peer``'s differ at ``b``: a member that sent us two
-        different contributions is named; otherwise the two hashes."""
-        return self._equivocation(b, peer) or (
-            f"weight hash mismatch at {self.unit} {b}: {peer} has {theirs[:16]}, "
-            f"{self.self_id} has {own[:16]}")
-
-    def _equivocation(self, b: int, peer: str) -> str | None:
-        """The members whose contributions to ``b`` we and ``peer`` averaged differ (by
-        the digests both published), named: they sent two members different bytes."""
-        roster = self._ledger.committed.get(b - 1, ())
-        liars = self._hashes.equivocators(b, roster, self.self_id, peer)
+    def equivocation(self, b: int, peer: str, roster: tuple[str, ...]) -> str | None:
+        """The members of ``roster`` (the one that produced ``b``) whose contributions we
+        and ``peer`` averaged differ (by the digests both published), named: they sent
+        two members different bytes."""
+        liars = self.book.equivocators(b, roster, self.self_id, peer)
         if not liars:
             return None
         return (f"{', '.join(liars)} sent different contributions of {self.unit} {b - 1} "
                 f"to {self.self_id} and {peer} (equivocation): weights differ at "
                 f"{self.unit} {b}")
-
-    def _maybe_finish(self, out: list[Action], b: int) -> None:
-        have = self._valid_hashes(b)
-        prev = self._ledger.committed.get(b - 1, ())
-        if all(p in have or not self.members.alive(p) for p in prev):
-            self._finish(out, b)

@@ -45,7 +45,7 @@ from daisyweb.protocol.ledger import InFlight, StepLedger
 from daisyweb.protocol.membership import Membership
 
 if TYPE_CHECKING:
-    from daisyweb.protocol.hashes import HashBook
+    from daisyweb.protocol.hashes import HashCheck
 
 __all__ = ["LeaderDuties", "SNAPSHOT_WAIT_FLOOR_S"]
 
@@ -74,13 +74,12 @@ class LeaderDuties:
         _observed: dict[str, float]
         _confirm_s: float
         deadline: Deadline
-        _equivocation: Callable[[int, str], str | None]
         _stop: Callable[[list[Action], int, str, bool], None]
         _finish: Callable[[list[Action], int], None]
         _set_roster: Callable[..., None]
         capacity: bool
         batch: int
-        _hashes: HashBook
+        hash_check: HashCheck
         _valid_hashes: Callable[[int], dict[str, tuple[str, str]]]
 
     def _request_repairs(self, out: list[Action], st: InFlight, now: float) -> None:
@@ -209,7 +208,7 @@ class LeaderDuties:
         if self.capacity:
             last = self._ledger.committed_shares.get(b - 1, ())
             previous = last if self._ledger.committed.get(b - 1) == members else ()
-            speeds = bounded_speeds(self._hashes.speeds.get(b, {}), self._observed)
+            speeds = bounded_speeds(self.hash_check.book.speeds.get(b, {}), self._observed)
             shares = capacity_shares(members, speeds, self.batch, previous)
         out.append(Send(self.members.others(members), wire.Roster(b, members, shares, self.term)))
         self._set_roster(out, b, members, now, shares)
@@ -236,7 +235,9 @@ class LeaderDuties:
         """A fork at ``b`` that a member's two different contributions explain: why."""
         own = have[self.self_id][0]
         for p in expected:
-            reason = self._equivocation(b, p) if have[p][0] != own else None
+            roster = self._ledger.committed_roster(b - 1)
+            reason = (self.hash_check.equivocation(b, p, roster) if have[p][0] != own
+                      else None)
             if reason is not None:
                 return reason
         return None

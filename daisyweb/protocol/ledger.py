@@ -58,6 +58,28 @@ class StepLedger:
         # (from, step) -> (members, shares, term)
         self.rosters_seen: dict[tuple[str, int], tuple[tuple[str, ...], tuple[int, ...], int]] = {}
 
+    def commit(self, step: int, roster: tuple[str, ...], shares: tuple[int, ...]) -> None:
+        """``step`` was committed with ``roster`` (and its ``shares``)."""
+        self.committed[step] = roster
+        self.committed_shares[step] = shares
+
+    def uncommit(self, step: int) -> None:
+        """``step``'s commit is undone (a rollback): its roster and the next step's record
+        go; its own record stays, to be committed again."""
+        self.committed.pop(step, None)
+        self.committed_shares.pop(step, None)
+        self.steps.pop(step + 1, None)
+
+    def committed_roster(self, step: int) -> tuple[str, ...]:
+        """The roster ``step`` was committed with (empty if not committed or forgotten)."""
+        return self.committed.get(step, ())
+
+    def saw_roster(self, sender: str, step: int, members: tuple[str, ...],
+                   shares: tuple[int, ...], term: int) -> None:
+        """``sender`` named ``members`` for ``step`` in ``term`` (a leader we may follow
+        later: its roster is taken then)."""
+        self.rosters_seen[(sender, step)] = (members, shares, term)
+
     def get(self, step: int) -> InFlight | None:
         return self.steps.get(step)
 

@@ -72,7 +72,7 @@ from daisyweb.protocol.averaging import GradientError, average_parts_in_roster_o
 from daisyweb.protocol.codec import F32, Codec, check_payload, decode_parts
 from daisyweb.protocol.deadline import Deadline
 from daisyweb.protocol.election import RUNOFF_S, Leadership, reachable, strict_majority
-from daisyweb.protocol.hashes import HashBook, HashDuties
+from daisyweb.protocol.hashes import HashCheck
 from daisyweb.protocol.influence import clip_factors, squared_norm
 from daisyweb.protocol.leading import LeaderDuties
 from daisyweb.protocol.ledger import Archive, InFlight, StepLedger
@@ -110,10 +110,10 @@ class Phase(Enum):
     CUT_OFF = "cut off"  # cut off from the majority: the peer rejoins as a joiner
 
 
-class StepMachine(LeaderDuties, HashDuties):
+class StepMachine(LeaderDuties):
     """One peer's view of the step protocol (see module docstring); the leader's duties
-    and contribution repair are in ``daisyweb.protocol.leading``, hash publishing and fork
-    checks in ``daisyweb.protocol.hashes``."""
+    and contribution repair are in ``daisyweb.protocol.leading``; its hashes and the fork
+    checks are its :class:`hashes.HashCheck`'s."""
 
     def __init__(
         self,
@@ -143,7 +143,6 @@ class StepMachine(LeaderDuties, HashDuties):
         self._observed: dict[str, float] = {}  # leader: member -> speed seen (sequences/s)
         self._confirm_s = 0.0  # leader: the longest a joiner took to confirm its snapshot
         self.deadline = Deadline()  # leader: round times, late members
-        self._averaged: dict[int, tuple[str, ...]] = {}  # boundary -> digests we averaged
         self.version = version  # what this peer speaks (a test hook may change it)
         self.replica = replica
         self.total_steps = total_steps
@@ -169,7 +168,7 @@ class StepMachine(LeaderDuties, HashDuties):
         # A leader keeps ``history`` steps of payloads for repair: the last HOT_STEPS in
         # memory, older ones in ``archive`` if given (the peer's file), else in memory too.
         self._ledger = StepLedger(archive)
-        self._hashes = HashBook()
+        self.hash_check = HashCheck(self_id, unit)
         self._losses: dict[int, float] = {}
         self._last_roster: tuple[str, ...] = tuple(self.members.participants)
         self._had_roster = False  # a follower knows the group's order only from a roster
@@ -179,6 +178,9 @@ class StepMachine(LeaderDuties, HashDuties):
         # Members that said they left (interrupted, or cut off and rejoining), until a
         # roster names them again.
         self._left: set[str] = set()
+        # The furthest boundary each member of the electorate published hashes for, when
+        # two or more past ours (``_ahead``).
+        self._beyond: dict[str, int] = {}
 
     # ------------------------------------------------------------------ properties
     @property
@@ -271,8 +273,7 @@ class StepMachine(LeaderDuties, HashDuties):
             # boundary: a flood of future rosters must not grow the state.
             b = self.boundary
             if peer in self.members.participants and b - 1 <= msg.step <= b + ROSTER_WINDOW:
-                self._ledger.rosters_seen[(peer, msg.step)] = (msg.members, msg.shares,
-                                                               msg.term)
+                self._ledger.saw_roster(peer, msg.step, msg.members, msg.shares, msg.term)
             self._roster_from(out, peer, msg, now)
         elif isinstance(msg, wire.Contribution):
             self._on_contribution(out, peer, msg, now)
@@ -356,6 +357,60 @@ class StepMachine(LeaderDuties, HashDuties):
             out.append(Excluded(p, f"{p} did not confirm its snapshot in time"))
         self._progress(out, now)
         return out
+
+    # ------------------------------------------------------------------ hashes
+    def _publish_hashes(self, out: list[Action]) -> None:
+        b = self.boundary
+        hashes = (self.replica.weight_hash(), self.probe())
+        out.append(Send(None, self.hash_check.publish(b, hashes, self._ledger.digest_before(b),
+                                                      self.speed)))
+        for peer in self.hash_check.book.peers_at(b):
+            self._check_fork(out, b, peer)
+
+    def _valid_hashes(self, b: int) -> dict[str, tuple[str, str]]:
+        """Hashes at ``b`` comparable with ours: made with the roster we applied."""
+        mine = self._ledger.digest_before(b)
+        return self.hash_check.book.comparable(b, mine, self.members.offered.get)
+
+    def _on_hashes(self, out: list[Action], peer: str, msg: wire.StepHashes) -> None:
+        if msg.sender != peer:
+            return  # hashes are never relayed
+        if msg.step > self.boundary + 1:
+            self._ahead(out, peer, msg.step)
+            return
+        if msg.step < self.boundary - 1:
+            return
+        self.hash_check.record(msg)
+        self._check_fork(out, msg.step, peer)
+
+    def _ahead(self, out: list[Action], peer: str, step: int) -> None:
+        """``peer`` published hashes two boundaries or more past ours. A member cannot be
+        that far behind the group it is in (every round needs its contribution): once a
+        majority of our electorate is, the group went on without us (left out of a round,
+        or following a leader that no longer names us rosters). Cut off, and rejoin."""
+        electorate = self.electorate()
+        if peer not in electorate:
+            return
+        self._beyond[peer] = max(step, self._beyond.get(peer, 0))
+        ahead = [p for p in electorate if self._beyond.get(p, 0) > self.boundary + 1]
+        if strict_majority(len(ahead), len(electorate)):
+            self._cut_off(out, f"the group is at {self.unit} {max(self._beyond.values())}, "
+                               f"this peer at {self.boundary}: it went on without this peer")
+
+    def _check_fork(self, out: list[Action], b: int, peer: str) -> None:
+        """Each peer judges the members of the step that produced our boundary itself."""
+        roster = self._ledger.committed_roster(b - 1)
+        if b != self.boundary or peer not in roster:
+            return
+        reason = self.hash_check.fork(b, peer, roster, self._valid_hashes(b).get(peer))
+        if reason is not None:
+            self._stop(out, b, reason, broadcast=True)
+
+    def _maybe_finish(self, out: list[Action], b: int) -> None:
+        have = self._valid_hashes(b)
+        prev = self._ledger.committed_roster(b - 1)
+        if all(p in have or not self.members.alive(p) for p in prev):
+            self._finish(out, b)
 
     # ------------------------------------------------------------------ internals
     def _stop(self, out: list[Action], step: int, reason: str, broadcast: bool) -> None:
@@ -621,9 +676,7 @@ class StepMachine(LeaderDuties, HashDuties):
             self._stop(out, step, f"amended roster of {self.unit} {step} changes shares", True)
             return
         restore(self._backup[1])
-        self._ledger.committed.pop(step, None)
-        self._ledger.committed_shares.pop(step, None)
-        self._ledger.steps.pop(step + 1, None)
+        self._ledger.uncommit(step)
         st.roster = members
         st.shares = shares
         st.payloads = {p: g for p, g in st.payloads.items() if p in members}
@@ -661,14 +714,14 @@ class StepMachine(LeaderDuties, HashDuties):
         except (GradientError, ValueError) as exc:  # refused before any change
             self._stop(out, step, f"refused the mean of {self.unit} {step}: {exc}", True)
             return False
-        self._ledger.committed[step] = st.roster
-        self._ledger.committed_shares[step] = st.shares
-        self._averaged = {step + 1: tuple(wire.payload_digest(st.payloads[p]) for p in st.roster)}
+        self._ledger.commit(step, st.roster, st.shares)
+        self.hash_check.averaged_at(
+            step + 1, tuple(wire.payload_digest(st.payloads[p]) for p in st.roster))
         if self.is_leader:
             self._measure_round(st)
         self._ledger.forget_before(step, self.history, keep_payloads=self.is_leader)
         self._publish_hashes(out)
-        wh, ph = self._hashes.own[self.boundary]
+        wh, ph = self.hash_check.own(self.boundary)
         out.append(Commit(step, st.roster, self._losses.pop(step, None), wh, ph, rollback,
                           st.shares, clipped))
         return True

@@ -373,3 +373,26 @@ def test_a_peer_that_stood_still_is_cut_off_before_it_acts() -> None:
     assert any(isinstance(x, Send) and x.message == wire.Following("", 0) for x in out)
     bus.advance(30.0)  # nothing it held is acted on any more
     assert bus.replicas["a"].step == before and not bus.commits["a"][before:]
+
+
+def test_a_member_the_group_went_on_without_is_cut_off() -> None:
+    # d hears everything but the leader's rosters (a follower the leader no longer names
+    # rosters to): it waits at its boundary while the group leaves it out at the deadline
+    # and goes on. Hashes from a majority two boundaries past its own tell it.
+    from daisyweb.protocol.deadline import FLOOR_S
+    from daisyweb.protocol.leading import SNAPSHOT_WAIT_FLOOR_S
+
+    bus = ElectionBus(["a", "b", "c", "d"], steps=10)
+    bus.start()
+    _settle(bus, 4)
+    cut = bus.drop
+    assert cut is not None
+    bus.drop = lambda src, dst, m: cut(src, dst, m) or (
+        (src, dst) == ("a", "d") and isinstance(m, wire.Roster))
+    _release(bus)
+    bus.advance(FLOOR_S + 0.5)
+    assert "went on without" in bus.cut_offs["d"].reason
+    assert bus.machines["d"].phase is Phase.CUT_OFF
+    assert [s.peer for s in bus.snapshots] == ["d"]  # it asked to come back
+    bus.advance(SNAPSHOT_WAIT_FLOOR_S + 1.0)  # (here it never takes the snapshot)
+    assert set(bus.finished) == {"a", "b", "c"} and not bus.stopped
