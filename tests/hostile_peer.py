@@ -62,15 +62,15 @@ def _shift() -> None:
 
 
 def _speed() -> None:
-    from daisyweb.protocol import hashes
+    from daisyweb.protocol import sync
 
-    real = hashes.HashDuties._publish_hashes
+    real = sync.StepMachine._publish_hashes
 
     def publish(self: Any, out: list) -> None:
         self.speed = 1e12
         real(self, out)
 
-    hashes.HashDuties._publish_hashes = publish  # type: ignore[method-assign]
+    sync.StepMachine._publish_hashes = publish  # type: ignore[method-assign]
 
 
 def _withhold() -> None:
@@ -107,17 +107,17 @@ def _equivocate() -> None:
 
 
 def _escape() -> None:
-    from daisyweb.protocol import hashes, wire
+    from daisyweb.protocol import sync, wire
     from daisyweb.protocol.actions import Send
 
-    real = hashes.HashDuties._publish_hashes
+    real = sync.StepMachine._publish_hashes
 
     def publish(self: Any, out: list) -> None:
         real(self, out)
         if self.boundary == 3:
             out.append(Send(None, wire.Halt(3, ESCAPES)))
 
-    hashes.HashDuties._publish_hashes = publish  # type: ignore[method-assign]
+    sync.StepMachine._publish_hashes = publish  # type: ignore[method-assign]
 
 
 ATTACKS = {"scale": _scale, "shift": _shift, "speed": _speed, "withhold": _withhold,

@@ -11,7 +11,7 @@ The machine is in one :class:`Phase` at a time (``machine.phase``): ``WAITING`` 
 boundary's hashes (leader) or roster (follower), ``COMPUTING`` its own contribution,
 ``COLLECTING`` the roster's other contributions, then (the step committed) ``WAITING`` at
 the next boundary; ``FINISHED`` and ``HALTED`` are final. The pieces it owns: who is in
-the group (``membership.Membership``), the hashes seen (``hashes.HashBook``), the leader's
+the group (``membership.Membership``), the hashes (``hashes.HashCheck``), the leader's
 sync guard (``judge.judge``) and the contribution codec (``codec.Codec``, ``F32`` unless
 the driver gives the run's), used both to accept a payload and to decode it for the
 roster-order sum, so every member sums the decoded values of the same bytes, its own
@@ -70,11 +70,10 @@ from daisyweb.protocol.actions import (
 )
 from daisyweb.protocol.averaging import GradientError, average_parts_in_roster_order
 from daisyweb.protocol.codec import F32, Codec, check_payload, decode_parts
-from daisyweb.protocol.deadline import Deadline
 from daisyweb.protocol.election import RUNOFF_S, Leadership, reachable, strict_majority
 from daisyweb.protocol.hashes import HashCheck
 from daisyweb.protocol.influence import clip_factors, squared_norm
-from daisyweb.protocol.leading import LeaderDuties
+from daisyweb.protocol.leading import Leader
 from daisyweb.protocol.ledger import Archive, InFlight, StepLedger
 from daisyweb.protocol.membership import Membership, successor
 
@@ -110,10 +109,12 @@ class Phase(Enum):
     CUT_OFF = "cut off"  # cut off from the majority: the peer rejoins as a joiner
 
 
-class StepMachine(LeaderDuties):
-    """One peer's view of the step protocol (see module docstring); the leader's duties
-    and contribution repair are in ``daisyweb.protocol.leading``; its hashes and the fork
-    checks are its :class:`hashes.HashCheck`'s."""
+class StepMachine:
+    """One peer's view of the step protocol (see module docstring). Its collaborators own
+    their state: ``leading`` (:class:`leading.Leader`) what only a leader does and keeps,
+    ``hash_check`` (:class:`hashes.HashCheck`) the hashes and fork checks, ``ledger``
+    (:class:`ledger.StepLedger`) the steps in flight and committed, ``members``
+    (:class:`membership.Membership`) and ``leadership`` (:class:`election.Leadership`)."""
 
     def __init__(
         self,
@@ -140,9 +141,6 @@ class StepMachine(LeaderDuties):
         self.self_id = self_id
         self.unit = unit  # what one of our steps is, in the lines we write: step or round
         self.inner_steps = inner_steps  # optimizer steps in one of ours (a round's H)
-        self._observed: dict[str, float] = {}  # leader: member -> speed seen (sequences/s)
-        self._confirm_s = 0.0  # leader: the longest a joiner took to confirm its snapshot
-        self.deadline = Deadline()  # leader: round times, late members
         self.version = version  # what this peer speaks (a test hook may change it)
         self.replica = replica
         self.total_steps = total_steps
@@ -167,13 +165,13 @@ class StepMachine(LeaderDuties):
         self._end: Phase | None = None  # FINISHED or HALTED: every later event is ignored
         # A leader keeps ``history`` steps of payloads for repair: the last HOT_STEPS in
         # memory, older ones in ``archive`` if given (the peer's file), else in memory too.
-        self._ledger = StepLedger(archive)
+        self.ledger = StepLedger(archive)
         self.hash_check = HashCheck(self_id, unit)
+        self.leading = Leader(self)  # what only a leader does, and keeps
         self._losses: dict[int, float] = {}
         self._last_roster: tuple[str, ...] = tuple(self.members.participants)
         self._had_roster = False  # a follower knows the group's order only from a roster
         self._backup: tuple[int, Any] | None = None  # (boundary, replica.backup())
-        self._published: set[int] = set()  # boundaries whose roster the leader issued
         self._unlinked: set[str] = set()  # peers whose links are down (peer_down, peer_up)
         # Members that said they left (interrupted, or cut off and rejoining), until a
         # roster names them again.
@@ -201,7 +199,7 @@ class StepMachine(LeaderDuties):
         roster we knew, less the members that said they left (they declare no leader any
         more, so two majorities still overlap): leadership and reachability need a strict
         majority of it."""
-        roster = self._ledger.committed.get(self.boundary - 1) or self._last_roster
+        roster = self.ledger.committed.get(self.boundary - 1) or self._last_roster
         return tuple(p for p in roster if p not in self._left)
 
     @property
@@ -217,13 +215,13 @@ class StepMachine(LeaderDuties):
     def phase(self) -> Phase:
         if self._end is not None:
             return self._end
-        st = self._ledger.get(self.boundary)
+        st = self.ledger.get(self.boundary)
         if st is None or st.roster is None:
             return Phase.WAITING
         return Phase.COMPUTING if st.computing else Phase.COLLECTING
 
     def roster(self, step: int) -> tuple[str, ...] | None:
-        return self._ledger.roster(step)
+        return self.ledger.roster(step)
 
     # ------------------------------------------------------------------ events
     def start(self, now: float = 0.0) -> list[Action]:
@@ -241,7 +239,7 @@ class StepMachine(LeaderDuties):
         out: list[Action] = []
         if step != self.boundary or self.phase is not Phase.COMPUTING:
             return out  # stale (e.g. the step was rolled forward by an amendment)
-        st = self._ledger.steps[step]
+        st = self.ledger.steps[step]
         st.computing = False
         payload = self.codec.encode(vector)
         self._losses[step] = float(loss)
@@ -273,7 +271,7 @@ class StepMachine(LeaderDuties):
             # boundary: a flood of future rosters must not grow the state.
             b = self.boundary
             if peer in self.members.participants and b - 1 <= msg.step <= b + ROSTER_WINDOW:
-                self._ledger.saw_roster(peer, msg.step, msg.members, msg.shares, msg.term)
+                self.ledger.saw_roster(peer, msg.step, msg.members, msg.shares, msg.term)
             self._roster_from(out, peer, msg, now)
         elif isinstance(msg, wire.Contribution):
             self._on_contribution(out, peer, msg, now)
@@ -283,7 +281,7 @@ class StepMachine(LeaderDuties):
             # Any participant may stop the group: one that refused a contribution is the
             # only one that knows (the sender's own copy may be fine). Joiners may not.
             if peer == self.leader or peer in self.members.participants:
-                self._stop(out, msg.step, f"{peer}: {msg.reason}", broadcast=False)
+                self.stop_run(out, msg.step, f"{peer}: {msg.reason}", broadcast=False)
         if not self.done:
             self._progress(out, now)
         return out
@@ -302,7 +300,7 @@ class StepMachine(LeaderDuties):
         """This peer cannot go on (e.g. computing its contribution failed): tell the group
         and stop at ``step`` with the state untouched."""
         out: list[Action] = []
-        self._stop(out, step, reason, broadcast=True)
+        self.stop_run(out, step, reason, broadcast=True)
         return out
 
     def peer_down(self, peer: str, now: float = 0.0) -> list[Action]:
@@ -346,30 +344,70 @@ class StepMachine(LeaderDuties):
             choice = lead.runoff(self.electorate())
             if choice is not None:
                 self._follow(out, *choice, now)
-        st = self._ledger.get(self.boundary)
+        st = self.ledger.get(self.boundary)
         if st is not None and st.roster is not None and st.own_sent_at is not None:
             if now - st.own_sent_at >= self.repair_after:
                 self._request_repairs(out, st, now)
         if self.is_leader:
-            self._enforce_deadline(out, now)
+            self.leading.enforce_deadline(out, now)
         for p in self.members.expire_joiners(now, self.join_timeout):
             # A joiner that never confirmed its snapshot must not block the group.
             out.append(Excluded(p, f"{p} did not confirm its snapshot in time"))
         self._progress(out, now)
         return out
 
+    # ------------------------------------------------------------------ repair
+    def _request_repairs(self, out: list[Action], st: InFlight, now: float) -> None:
+        """Ask for each roster member's contribution still missing (at most once per
+        ``repair_after``)."""
+        for p in st.roster or ():
+            if p in st.payloads:
+                continue
+            last = st.requested.get(p)
+            if last is not None and now - last < self.repair_after:
+                continue
+            st.requested[p] = now
+            if self.leadership.candidate:
+                continue  # nobody to ask until a majority confirms a leader
+            if self.is_leader:
+                if not self.members.alive(p):
+                    self.leading.amend(out, self.boundary, p, now)
+                else:
+                    # Nobody to ask but the sender itself.
+                    out.append(Send((p,), wire.RepairRequest(self.boundary, p)))
+            else:
+                out.append(Send((self.leader,), wire.RepairRequest(self.boundary, p)))
+
+    def _on_repair_request(
+        self, out: list[Action], peer: str, msg: wire.RepairRequest, now: float
+    ) -> None:
+        st = self.ledger.get(msg.step)
+        if not self.is_leader:
+            # A follower only resends its own contribution (the leader asks when it lacks
+            # it).
+            own = st.payloads.get(self.self_id) if st else None
+            if msg.sender_of_missing == self.self_id and peer == self.leader and own:
+                out.append(Send((peer,), wire.Contribution(msg.step, self.self_id, own)))
+            return
+        payload = self.ledger.payload(msg.step, msg.sender_of_missing)
+        if payload is not None:
+            out.append(Send((peer,), wire.Contribution(msg.step, msg.sender_of_missing,
+                                                       payload)))
+        elif msg.step == self.boundary and not self.members.alive(msg.sender_of_missing):
+            self.leading.amend(out, msg.step, msg.sender_of_missing, now)
+
     # ------------------------------------------------------------------ hashes
     def _publish_hashes(self, out: list[Action]) -> None:
         b = self.boundary
         hashes = (self.replica.weight_hash(), self.probe())
-        out.append(Send(None, self.hash_check.publish(b, hashes, self._ledger.digest_before(b),
+        out.append(Send(None, self.hash_check.publish(b, hashes, self.ledger.digest_before(b),
                                                       self.speed)))
         for peer in self.hash_check.book.peers_at(b):
             self._check_fork(out, b, peer)
 
-    def _valid_hashes(self, b: int) -> dict[str, tuple[str, str]]:
+    def valid_hashes(self, b: int) -> dict[str, tuple[str, str]]:
         """Hashes at ``b`` comparable with ours: made with the roster we applied."""
-        mine = self._ledger.digest_before(b)
+        mine = self.ledger.digest_before(b)
         return self.hash_check.book.comparable(b, mine, self.members.offered.get)
 
     def _on_hashes(self, out: list[Action], peer: str, msg: wire.StepHashes) -> None:
@@ -399,21 +437,21 @@ class StepMachine(LeaderDuties):
 
     def _check_fork(self, out: list[Action], b: int, peer: str) -> None:
         """Each peer judges the members of the step that produced our boundary itself."""
-        roster = self._ledger.committed_roster(b - 1)
+        roster = self.ledger.committed_roster(b - 1)
         if b != self.boundary or peer not in roster:
             return
-        reason = self.hash_check.fork(b, peer, roster, self._valid_hashes(b).get(peer))
+        reason = self.hash_check.fork(b, peer, roster, self.valid_hashes(b).get(peer))
         if reason is not None:
-            self._stop(out, b, reason, broadcast=True)
+            self.stop_run(out, b, reason, broadcast=True)
 
     def _maybe_finish(self, out: list[Action], b: int) -> None:
-        have = self._valid_hashes(b)
-        prev = self._ledger.committed_roster(b - 1)
+        have = self.valid_hashes(b)
+        prev = self.ledger.committed_roster(b - 1)
         if all(p in have or not self.members.alive(p) for p in prev):
-            self._finish(out, b)
+            self.finish_run(out, b)
 
     # ------------------------------------------------------------------ internals
-    def _stop(self, out: list[Action], step: int, reason: str, broadcast: bool) -> None:
+    def stop_run(self, out: list[Action], step: int, reason: str, broadcast: bool) -> None:
         if self.done:
             return
         self._end = Phase.HALTED
@@ -421,7 +459,7 @@ class StepMachine(LeaderDuties):
             out.append(Send(None, wire.Halt(step, reason[: wire.MAX_TEXT_LEN])))
         out.append(Stopped(step, reason))
 
-    def _finish(self, out: list[Action], b: int) -> None:
+    def finish_run(self, out: list[Action], b: int) -> None:
         self._end = Phase.FINISHED
         out.append(Finish(b))
 
@@ -441,7 +479,7 @@ class StepMachine(LeaderDuties):
         if leader == self.self_id:
             self._check_elected(out, now)
             return
-        seen = self._ledger.rosters_seen.get((leader, self.boundary))
+        seen = self.ledger.rosters_seen.get((leader, self.boundary))
         if seen is not None and seen[2] == term:
             # The new leader's roster came before we saw the old one go.
             self.leadership.confirmed = True
@@ -455,7 +493,7 @@ class StepMachine(LeaderDuties):
         if not self._had_roster:
             # No roster yet, so no agreed order to pick a successor from: every
             # follower would pick itself (split brain). Stop instead; nothing is lost.
-            self._stop(out, self.boundary, f"the leader {peer} left before the first roster",
+            self.stop_run(out, self.boundary, f"the leader {peer} left before the first roster",
                        broadcast=False)
             return
         roster = self.roster(self.boundary) or self.electorate()
@@ -479,9 +517,9 @@ class StepMachine(LeaderDuties):
                 self.members.went_down(peer)
                 self._lost(out, peer, now)
                 if self.is_leader:
-                    st = self._ledger.get(self.boundary)
+                    st = self.ledger.get(self.boundary)
                     if st is not None and st.roster is not None and peer not in st.payloads:
-                        self._amend(out, self.boundary, peer, now)
+                        self.leading.amend(out, self.boundary, peer, now)
                     if peer not in self.members.excluded:
                         self.members.came_up(peer, now)  # a joiner from now on
             elif self.is_leader and self.members.alive(peer):
@@ -505,7 +543,7 @@ class StepMachine(LeaderDuties):
             if lead.candidate:
                 lead.confirmed = True
                 # Re-issue what the old leader may not have finished issuing.
-                self._published = {b for b in self._published if b < self.boundary}
+                self.leading.reissue(self.boundary)
                 out.append(Leading(self.boundary, term, lead.votes(leader, term, electorate),
                                    len(electorate)))
             lead.confirmed = True  # a follower's new leader too: a majority stands behind it
@@ -534,7 +572,7 @@ class StepMachine(LeaderDuties):
             return
         if msg.term == lead.term and lead.confirmed:
             other = self.self_id if lead.leading else lead.leader
-            self._stop(out, self.boundary, f"two leaders of term {msg.term}: {peer} and "
+            self.stop_run(out, self.boundary, f"two leaders of term {msg.term}: {peer} and "
                                            f"{other} both named rosters", broadcast=True)
             return
         if lead.leading:
@@ -552,11 +590,11 @@ class StepMachine(LeaderDuties):
         reason = (f"{peer} speaks protocol version {msg.version}, "
                   f"{self.self_id} speaks {self.version}")
         if peer == self.leader and not self.is_leader:
-            self._stop(out, self.boundary, f"refused the leader: {reason}", broadcast=False)
+            self.stop_run(out, self.boundary, f"refused the leader: {reason}", broadcast=False)
             return
         self.members.forget_joiner(peer)
         if self.is_leader:
-            self._exclude(out, self.boundary, peer, reason)
+            self.leading.exclude(out, self.boundary, peer, reason)
             return
         # A follower cannot take anyone out of the roster, but never uses its messages
         # (and never picks it as the next leader); the leader excludes it too.
@@ -573,9 +611,9 @@ class StepMachine(LeaderDuties):
         self._last_roster = members
         self._had_roster = True
         self.capacity = bool(shares)  # the leader's mode, kept if we take over
-        committed = self._ledger.committed.get(step)
+        committed = self.ledger.committed.get(step)
         if step == b - 1 and committed is not None and (
-                committed != members or self._ledger.committed_shares.get(step, ()) != shares):
+                committed != members or self.ledger.committed_shares.get(step, ()) != shares):
             self._rollback(out, step, members, now, shares)
             return
         if step > b:
@@ -588,18 +626,19 @@ class StepMachine(LeaderDuties):
         if self.self_id not in members:
             self._cut_off(out, f"the group went on without {self.self_id} at {self.unit} {b}")
             return
-        self._set_roster(out, step, members, now, shares)
+        self.set_roster(out, step, members, now, shares)
 
-    def _set_roster(
+    def set_roster(
         self, out: list[Action], step: int, members: tuple[str, ...], now: float,
         shares: tuple[int, ...] = (),
     ) -> None:
-        st = self._ledger.open(step)
+        st = self.ledger.open(step)
         old = st.roster
         if old is not None and old != members:
             # Amendment: only removal of senders is allowed; keep what we have.
             if not set(members) <= set(old):
-                self._stop(out, step, f"roster of {self.unit} {step} changed to add members", True)
+                self.stop_run(out, step, f"roster of {self.unit} {step} changed to add members",
+                              True)
                 return
             st.payloads = {p: g for p, g in st.payloads.items() if p in members}
         st.roster = members
@@ -630,7 +669,7 @@ class StepMachine(LeaderDuties):
         s = msg.step
         if s != self.boundary:
             return  # too old (committed) or too new (cannot happen on ordered channels)
-        st = self._ledger.open(s)
+        st = self.ledger.open(s)
         if msg.sender in st.payloads or msg.sender == self.self_id:
             return
         if st.roster is None:
@@ -654,36 +693,37 @@ class StepMachine(LeaderDuties):
             # Checked on its bytes (no vector made): decoded only when averaged.
             check_payload(self.codec, payload, self.replica.size, f"gradient from {sender}")
         except GradientError as exc:
-            self._stop(out, step, f"refused at {self.unit} {step}: {exc}", broadcast=True)
+            self.stop_run(out, step, f"refused at {self.unit} {step}: {exc}", broadcast=True)
             return False
-        self._ledger.open(step).payloads[sender] = payload
+        self.ledger.open(step).payloads[sender] = payload
         return True
 
     def _rollback(self, out: list[Action], step: int, members: tuple[str, ...], now: float,
                   shares: tuple[int, ...] = ()) -> None:
         restore = getattr(self.replica, "restore", None)
         if self._backup is None or self._backup[0] != step or restore is None:
-            self._stop(out, step, f"roster of committed {self.unit} {step} was amended", True)
+            self.stop_run(out, step, f"roster of committed {self.unit} {step} was amended", True)
             return
-        st = self._ledger.get(step)
+        st = self.ledger.get(step)
         if st is None or not set(members) <= set(st.payloads):
-            self._stop(out, step, f"amended roster of {self.unit} {step} cannot be rebuilt", True)
+            self.stop_run(out, step, f"amended roster of {self.unit} {step} cannot be rebuilt",
+                          True)
             return
         if shares and st.shares and any(
                 shares[members.index(p)] != st.shares[st.roster.index(p)]
                 for p in members if st.roster is not None and p in st.roster):
             # Contributions were computed over the shares first named: never reweighted.
-            self._stop(out, step, f"amended roster of {self.unit} {step} changes shares", True)
+            self.stop_run(out, step, f"amended roster of {self.unit} {step} changes shares", True)
             return
         restore(self._backup[1])
-        self._ledger.uncommit(step)
+        self.ledger.uncommit(step)
         st.roster = members
         st.shares = shares
         st.payloads = {p: g for p, g in st.payloads.items() if p in members}
         self._try_commit(out, step, rollback=True)
 
     def _try_commit(self, out: list[Action], step: int, rollback: bool = False) -> bool:
-        st = self._ledger.get(step)
+        st = self.ledger.get(step)
         if st is None or st.roster is None or step != self.boundary:
             return False
         if any(p not in st.payloads for p in st.roster):
@@ -703,7 +743,7 @@ class StepMachine(LeaderDuties):
         mean = average_parts_in_roster_order(parts, size, st.shares, factors)
         bad = int(mean.size - np.count_nonzero(np.isfinite(mean)))
         if bad:
-            self._stop(out, step, f"the mean of {self.unit} {step} has {bad} values that are "
+            self.stop_run(out, step, f"the mean of {self.unit} {step} has {bad} values that are "
                                   f"not finite (contributions of {', '.join(st.roster)})", True)
             return False
         backup = getattr(self.replica, "backup", None)
@@ -712,37 +752,19 @@ class StepMachine(LeaderDuties):
         try:
             self.replica.apply(mean, owned=True)
         except (GradientError, ValueError) as exc:  # refused before any change
-            self._stop(out, step, f"refused the mean of {self.unit} {step}: {exc}", True)
+            self.stop_run(out, step, f"refused the mean of {self.unit} {step}: {exc}", True)
             return False
-        self._ledger.commit(step, st.roster, st.shares)
+        self.ledger.commit(step, st.roster, st.shares)
         self.hash_check.averaged_at(
             step + 1, tuple(wire.payload_digest(st.payloads[p]) for p in st.roster))
         if self.is_leader:
-            self._measure_round(st)
-        self._ledger.forget_before(step, self.history, keep_payloads=self.is_leader)
+            self.leading.measure_round(st)
+        self.ledger.forget_before(step, self.history, keep_payloads=self.is_leader)
         self._publish_hashes(out)
         wh, ph = self.hash_check.own(self.boundary)
         out.append(Commit(step, st.roster, self._losses.pop(step, None), wh, ph, rollback,
                           st.shares, clipped))
         return True
-
-    def _measure_round(self, st: InFlight) -> None:
-        """Leader, at a commit: the round's time (naming the roster to the last arrival:
-        the deadline's sample) and each member's sequences per second as we saw it,
-        network included: what capacity shares may believe of a member's own report
-        (``capacity.bounded_speeds``)."""
-        if st.roster is None or st.named_at is None:
-            return
-        arrivals = [st.arrived[p] for p in st.roster if p in st.arrived]
-        if len(arrivals) == len(st.roster):
-            self.deadline.record(max(arrivals) - st.named_at)
-        for i, p in enumerate(st.roster):
-            self.deadline.made_it(p)
-            arrived = st.arrived.get(p)
-            if arrived is None:
-                continue  # repaired or relayed: no fact about its speed
-            sequences = (st.shares[i] if st.shares else self.batch) * self.inner_steps
-            self._observed[p] = sequences / max(arrived - st.named_at, 1e-3)
 
     def _progress(self, out: list[Action], now: float) -> None:
         """Advance as far as the known facts allow."""
@@ -757,7 +779,7 @@ class StepMachine(LeaderDuties):
                                    f"{len(electorate)} members reachable, no majority")
                 return
             if self.is_leader:
-                self._lead(out, b, now)
+                self.leading.lead(out, b, now)
             elif self.leadership.candidate:
                 pass  # leads once a majority declared it (_check_elected)
             elif b >= self.total_steps:

@@ -68,7 +68,7 @@ def test_a_leader_keeps_the_last_two_steps_in_memory_and_repairs_older_ones_from
         if leader.boundary >= 12:
             bus.hold_compute.add("c")  # the group waits at boundary 12
     assert leader.boundary == 12 and not bus.stopped
-    ledger = leader._ledger
+    ledger = leader.ledger
     committed = 11
     kept = range(committed - HISTORY + 1, committed + 1)
     assert sorted(ledger.archived) == list(range(kept[0], committed - HOT_STEPS + 1))

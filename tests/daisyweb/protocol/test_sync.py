@@ -799,10 +799,10 @@ def test_gradient_before_the_roster_waits_unread_and_only_a_members_counts() -> 
     bus.hold_compute.update("ab")
     m = bus.machines["b"]
     assert m.message("zz", wire.Contribution(0, "zz", _nan())) == [] and not m.done
-    assert m._ledger.get(0).unchecked == {"zz"}
+    assert m.ledger.get(0).unchecked == {"zz"}
     bus.start()
     bus.run()  # a's roster of step 0 reaches b
-    assert not m.done and "zz" not in m._ledger.get(0).payloads
+    assert not m.done and "zz" not in m.ledger.get(0).payloads
     bus.hold_compute.clear()
     bus.run()
     assert set(bus.finished) == {"a", "b"} and not bus.stopped
@@ -826,13 +826,13 @@ def test_future_rosters_are_not_kept() -> None:
     m = bus.machines["b"]
     m.leadership.term = 1  # the flood's term-0 rosters are stale: neither followed nor a fork
     b = m.boundary
-    before = dict(m._ledger.rosters_seen)
+    before = dict(m.ledger.rosters_seen)
     for step in range(b + 3, b + 2000):
         m.message("c", wire.Roster(step, ("c",)))
     m.message("zz", wire.Roster(b, ("zz",)))
-    assert m._ledger.rosters_seen == before and not m.done
+    assert m.ledger.rosters_seen == before and not m.done
     m.message("c", wire.Roster(b + 1, ("c", "b")))  # near: kept for a failover
-    assert m._ledger.rosters_seen[("c", b + 1)] == (("c", "b"), (), 0)
+    assert m.ledger.rosters_seen[("c", b + 1)] == (("c", "b"), (), 0)
 
 
 class RecordingCodec:
