@@ -793,7 +793,7 @@ def report(args: argparse.Namespace, command: str, load: float, base: RunResult 
                "|---|---|---:|---:|---:|---:|---:|---:|---:|", *rss, ""]
     if startup:
         md += [f"Start-up: a leader with `--wait-peers N` and N - 1 followers started at "
-               f"once ({args.startup_trials} trial(s) per size; a trial and every peer's "
+               f"once ({_trials_text(args.startup_sizes)}; a trial and every peer's "
                f"`--join-timeout`: {args.startup_timeout:g} s + 8 s per peer). Time from "
                "the leader's start to the first commit with all N in the roster; a start "
                "lost members when its first roster was short, a peer exited, or no full "
@@ -824,8 +824,9 @@ def parse(argv: Sequence[str] | None) -> argparse.Namespace:
     ap.add_argument("--drain-minutes", type=float,
                     help="after the faults, how long the group may take to finish "
                          "(default: half of --minutes, at least 1)")
-    ap.add_argument("--startup-sizes", help="default 8,16,24,32 (--quick 8)")
-    ap.add_argument("--startup-trials", type=int, help="default 3 (--quick 1)")
+    ap.add_argument("--startup-sizes", help="default 8,16,24,32 (--quick 8); SIZExTRIALS "
+                    "(32x10) gives one size its own number of trials")
+    ap.add_argument("--startup-trials", type=int, help="per size: default 3 (--quick 1)")
     ap.add_argument("--startup-timeout", type=float, default=60.0,
                     help="seconds per trial, plus 8 s per peer (default 60)")
     ap.add_argument("--skip-startup", action="store_true")
@@ -839,9 +840,12 @@ def parse(argv: Sequence[str] | None) -> argparse.Namespace:
         args.baseline_minutes = 1.0 if quick else args.minutes
     if args.drain_minutes is None:
         args.drain_minutes = max(1.0, args.minutes / 2)
-    args.startup_sizes = [int(x) for x in (args.startup_sizes or
-                                           ("8" if quick else "8,16,24,32")).split(",")]
     args.startup_trials = args.startup_trials or (1 if quick else 3)
+    try:
+        args.startup_sizes = [_size_trials(x, args.startup_trials) for x in (
+            args.startup_sizes or ("8" if quick else "8,16,24,32")).split(",")]
+    except ValueError:
+        ap.error("--startup-sizes takes sizes, each with an optional xTRIALS: 8,16,32x10")
     args.kinds = [k.strip() for k in args.faults.split(",") if k.strip()]
     bad = [k for k in args.kinds if k not in FAULTS]
     if bad or not args.kinds:
@@ -856,6 +860,22 @@ def parse(argv: Sequence[str] | None) -> argparse.Namespace:
 
 def _command(argv: Sequence[str]) -> str:
     return " ".join(["python -m bench.churn", *argv])
+
+
+def _size_trials(text: str, trials: int) -> tuple[int, int]:
+    """``"32"`` -> (32, trials); ``"32x10"`` -> (32, 10)."""
+    size, _, own = text.strip().partition("x")
+    n, k = int(size), int(own) if own else trials
+    if n < 2 or k < 1:
+        raise ValueError(text)
+    return n, k
+
+
+def _trials_text(sizes: Sequence[tuple[int, int]]) -> str:
+    counts = Counter(k for _, k in sizes)
+    if len(counts) == 1:
+        return f"{sizes[0][1]} trial(s) per size"
+    return "trials per size: " + ", ".join(f"{n}: {k}" for n, k in sizes)
 
 
 def main(argv: Sequence[str] | None = None) -> ChurnReport:
@@ -892,8 +912,8 @@ def main(argv: Sequence[str] | None = None) -> ChurnReport:
                 g.stop_all()
             startup: list[StartTrial] = []
             if not args.skip_startup:
-                for n in args.startup_sizes:
-                    for k in range(args.startup_trials):
+                for n, trials in args.startup_sizes:
+                    for k in range(trials):
                         t = startup_trial(server, out / f"startup-{n}-{k + 1}", n, k + 1,
                                           args.startup_timeout + 8 * n)
                         print(f"start-up of {n}: full roster after {_s(t.full_s)} s"

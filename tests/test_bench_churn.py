@@ -77,3 +77,10 @@ def test_a_paused_follower_is_timed_and_the_group_ends_with_one_hash(tmp_path: P
     assert wall < 150, wall
     # Everything the bench started has ended.
     assert all(p.proc.poll() is not None for p in [*g.peers, *rep.baseline.group.peers])
+
+
+def test_startup_sizes_may_give_one_size_its_own_trials() -> None:
+    args = churn.parse(["--startup-sizes", "8,32x10", "--startup-trials", "2"])
+    assert args.startup_sizes == [(8, 2), (32, 10)]
+    with pytest.raises(SystemExit):
+        churn.parse(["--startup-sizes", "8,32x0"])
