@@ -399,6 +399,7 @@ class StartTrial:
     full_s: float | None  # leader start to the first commit with all N in the roster
     first_roster: int  # members in the first commit's roster (0: none)
     lost: str  # "" or what went wrong
+    stall_s: float | None = None  # the longest event-loop stall of any of its peers
 
 
 @dataclass
@@ -580,10 +581,14 @@ def startup_trial(server: str, out: Path, n: int, trial: int, timeout: float) ->
         if done is None:
             lost.append(f"no commit with all {n} within {timeout:g} s"
                         if lead.running else f"leader ended: {lead.last_line}")
-        return StartTrial(n, None if done is None else done.t - t_start,
-                          len(first.roster) if first else 0, "; ".join(lost))
+        trial_result = StartTrial(n, None if done is None else done.t - t_start,
+                                  len(first.roster) if first else 0, "; ".join(lost))
     finally:
         g.stop_all()
+    stalls = [p.end["loop_stall_max_s"] for p in g.peers
+              if p.end is not None and "loop_stall_max_s" in p.end]
+    trial_result.stall_s = max(stalls, default=None)
+    return trial_result
 
 
 # ----------------------------------------------------------------------------- report
@@ -694,9 +699,11 @@ def startup_rows(trials: list[StartTrial]) -> list[str]:
         ts = [t for t in trials if t.peers == n]
         times = [t.full_s for t in ts if t.full_s is not None]
         lost = [t for t in ts if t.lost]
+        stalls = [t.stall_s for t in ts if t.stall_s is not None]
         rows.append(f"| {n} | {len(ts)} | "
                     + (f"{statistics.median(times):.1f} | {max(times):.1f}" if times
                        else "- | -")
+                    + f" | {_s(max(stalls, default=None))}"
                     + f" | {len(lost)} of {len(ts)} | "
                     + (_cell("; ".join(f"trial {ts.index(t) + 1}: {t.lost[:200]}"
                                        for t in lost)) or "-") + " |")
@@ -797,9 +804,11 @@ def report(args: argparse.Namespace, command: str, load: float, base: RunResult 
                f"`--join-timeout`: {args.startup_timeout:g} s + 8 s per peer). Time from "
                "the leader's start to the first commit with all N in the roster; a start "
                "lost members when its first roster was short, a peer exited, or no full "
-               "roster came.", "",
-               "| peers | trials | full roster s (median) | max s | starts that lost "
-               "members | what |", "|---:|---:|---:|---:|---|---|",
+               "roster came. The longest stall is the most any peer's event loop was "
+               "late (`loop_stall_max_s`, from its end record): what the link timeouts "
+               "must allow for.", "",
+               "| peers | trials | full roster s (median) | max s | longest loop stall s "
+               "| starts that lost members | what |", "|---:|---:|---:|---:|---:|---|---|",
                *startup_rows(startup), ""]
     return ChurnReport(base, run, rows, finals, forked, halted, startup,
                        "\n".join(md).rstrip() + "\n")
