@@ -105,17 +105,18 @@ class Leadership:
         return sum(1 for p in electorate if self.declared.get(p) == (leader, term))
 
     def runoff(self, electorate: Sequence[str]) -> tuple[str, int] | None:
-        """Whom to declare when no majority stood behind one leader in time (the members
-        picked successors from different views of who is alive): a later term's leader
-        that some member already declared, else the leader most members of ``electorate``
-        declared for our term, the first in ``electorate``'s order on a tie, for the next
-        term. Every member that saw the same declarations picks the same leader."""
+        """Whom to declare when no majority stood behind one leader in time: a later
+        term's leader that some member already declared, else, if the members of
+        ``electorate`` split our term's vote (they picked successors from different views
+        of who is alive), the leader most of them declared, the first in ``electorate``'s
+        order on a tie, for the next term; None if our term's vote is not split. Every
+        member that saw the same declarations picks the same leader."""
         top = max((t for p, (_, t) in self.declared.items() if p in electorate),
                   default=self.term)
         counts = Counter(leader for p, (leader, t) in self.declared.items()
                          if p in electorate and t == top)
-        if not counts:
-            return None
+        if top == self.term and len(counts) < 2:
+            return None  # not split: one leader declared, its majority or roster to come
         most = max(counts.values())
         order = {p: i for i, p in enumerate(electorate)}
         leader = min((c for c, n in counts.items() if n == most),

@@ -180,7 +180,8 @@ def test_a_runoff_joins_a_later_terms_declaration() -> None:
     for peer, leader, term in [("b", "b", 1), ("d", "b", 2), ("e", "c", 1)]:
         lead.record(peer, leader, term)
     assert lead.runoff(("a", "b", "c", "d", "e")) == ("b", 2)  # d ran off first: join it
-    assert lead.runoff(("a", "c", "e")) == ("c", 2)  # only c's declarations count here
+    assert lead.runoff(("a", "b", "c", "e")) == ("c", 2)  # a split: c has two votes
+    assert lead.runoff(("a", "c", "e")) is None  # one leader declared: no split, wait
 
 
 def test_two_against_two_commits_nothing_and_both_halves_say_so() -> None:
