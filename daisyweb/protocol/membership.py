@@ -44,8 +44,11 @@ class Membership:
         return [p for p in self.participants if self.alive(p)]
 
     def others(self, members: Sequence[str] = ()) -> tuple[str, ...]:
-        """Every live participant and member of ``members`` but this peer, in order."""
-        peers = dict.fromkeys([*self.participants, *members])
+        """Whom a roster of ``members`` goes to: every live participant, member of
+        ``members`` and joiner offered a snapshot, but this peer, in order. A joiner
+        the roster leaves out (it did not confirm its snapshot in time) learns so, and
+        asks again."""
+        peers = dict.fromkeys([*self.participants, *members, *self.offered])
         return tuple(p for p in peers if p != self.self_id and self.alive(p))
 
     def offered_at(self, boundary: int) -> list[str]:

@@ -426,12 +426,15 @@ class StepMachine:
         that far behind the group it is in (every round needs its contribution): once a
         majority of our electorate is, the group went on without us (left out of a round,
         or following a leader that no longer names us rosters). Cut off, and rejoin."""
+        # A joiner never named in a roster knows only the leader it took its snapshot
+        # from: that leader going on without it is enough.
+        left_out = not self._had_roster and peer == self.leader
         electorate = self.electorate()
-        if peer not in electorate:
+        if peer not in electorate and not left_out:
             return
         self._beyond[peer] = max(step, self._beyond.get(peer, 0))
         ahead = [p for p in electorate if self._beyond.get(p, 0) > self.boundary + 1]
-        if strict_majority(len(ahead), len(electorate)):
+        if left_out or strict_majority(len(ahead), len(electorate)):
             self._cut_off(out, f"the group is at {self.unit} {max(self._beyond.values())}, "
                                f"this peer at {self.boundary}: it went on without this peer")
 

@@ -19,7 +19,7 @@ from daisyweb.protocol.election import (
 )
 from daisyweb.protocol.sync import CutOff, Leading, Phase, Send, StepMachine
 from daisyweb.training.replay import replay
-from tests.daisyweb.protocol.test_sync import ADAM, Bus, initial_params
+from tests.daisyweb.protocol.test_sync import ADAM, GOOD_PROBE, Bus, FakeReplica, initial_params
 
 
 class ElectionBus(Bus):
@@ -397,3 +397,24 @@ def test_a_member_the_group_went_on_without_is_cut_off() -> None:
     assert [s.peer for s in bus.snapshots] == ["d"]  # it asked to come back
     bus.advance(SNAPSHOT_WAIT_FLOOR_S + 1.0)  # (here it never takes the snapshot)
     assert set(bus.finished) == {"a", "b", "c"} and not bus.stopped
+
+
+def test_a_joiner_late_to_confirm_is_sent_the_roster_that_leaves_it_out() -> None:
+    from daisyweb.protocol.leading import SNAPSHOT_WAIT_FLOOR_S
+
+    bus, a = _ghost_joiner()
+    bus.advance(SNAPSHOT_WAIT_FLOOR_S + 1.0)  # the group stops waiting for "ghost"
+    to_ghost = [wire.decode(m) for m in bus.queues.get(("a", "ghost"), ())]
+    rosters = [m for m in to_ghost if isinstance(m, wire.Roster)]
+    assert rosters and all("ghost" not in r.members for r in rosters)
+
+
+def test_a_joiner_whose_leader_went_on_two_boundaries_is_cut_off() -> None:
+    # A joiner never named in a roster knows one member: the leader. Its hashes two
+    # boundaries past the joiner's are enough (a majority of one).
+    j = StepMachine("j", FakeReplica(), 8, lambda: GOOD_PROBE, leader="a")
+    j.start(0.0)
+    h = wire.StepHashes(1, "a", "ab" * 32, "cd" * 32, wire.NO_ROSTER)
+    assert not j.message("a", h, 0.0) and not j.done
+    out = j.message("a", wire.StepHashes(2, "a", "ab" * 32, "cd" * 32, wire.NO_ROSTER), 0.0)
+    assert any(isinstance(x, CutOff) and "went on without" in x.reason for x in out)

@@ -160,7 +160,8 @@ class Bus:
 
     def step_once(self) -> bool:
         ready = [k for k, q in self.queues.items() if q and k[0] not in self.dead]
-        ready = [k for k in ready if k[1] not in self.dead]
+        # a message to a peer whose machine is not started yet (a joiner) waits for it
+        ready = [k for k in ready if k[1] not in self.dead and k[1] in self.machines]
         computes = [c for c in self.computes if c[0] not in self.dead]
         computes = [c for c in computes if c[0] not in self.hold_compute]
         if not ready and not computes:
