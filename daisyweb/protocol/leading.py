@@ -50,7 +50,7 @@ __all__ = ["Leader", "SNAPSHOT_WAIT_FLOOR_S"]
 
 SNAPSHOT_WAIT_FLOOR_S = 10.0
 """The least the group waits for a joiner to confirm its snapshot: three times the
-longest confirmation seen, never less than this."""
+longest confirmation seen, never less than this, times the snapshots offered at once."""
 
 
 class Leader:
@@ -139,15 +139,20 @@ class Leader:
         if b < m.total_steps:
             # Joiners get a snapshot of this boundary before its roster is named.
             out.extend(SendSnapshot(p, b) for p in m.members.offer_snapshots(b, now))
-            # The group waits for a joiner's confirmation no longer than a snapshot takes
-            # (measured); a later one finds the group gone on and asks again (rejoins).
-            wait = max(SNAPSHOT_WAIT_FLOOR_S, 3.0 * self.confirm_s)
+            # The group waits for a joiner's confirmation no longer than its snapshot
+            # takes (measured per snapshot; the snapshots of one boundary share the
+            # leader's uplink, so as many times longer); a later one finds the group
+            # gone on and asks again (rejoins).
+            batch = len(m.members.offered_at(b))
+            wait = max(SNAPSHOT_WAIT_FLOOR_S, 3.0 * self.confirm_s) * max(batch, 1)
             if any(p not in have and now - m.members.pending.get(p, now) < wait
                    for p in m.members.offered_at(b)):
                 return
-        joiners = [p for p in m.members.offered_at(b) if p in have]
-        for p in joiners:  # how long a snapshot took, offer to confirmation
-            self.confirm_s = max(self.confirm_s, now - m.members.pending.get(p, now))
+        offered = m.members.offered_at(b)
+        joiners = [p for p in offered if p in have]
+        for p in joiners:  # how long one snapshot took, offer to confirmation
+            took = now - m.members.pending.get(p, now)
+            self.confirm_s = max(self.confirm_s, took / len(offered))
         if not self._judge(out, b, have, expected, joiners):
             return
         m.members.admit(joiners)

@@ -418,3 +418,23 @@ def test_a_joiner_whose_leader_went_on_two_boundaries_is_cut_off() -> None:
     assert not j.message("a", h, 0.0) and not j.done
     out = j.message("a", wire.StepHashes(2, "a", "ab" * 32, "cd" * 32, wire.NO_ROSTER), 0.0)
     assert any(isinstance(x, CutOff) and "went on without" in x.reason for x in out)
+
+
+def test_snapshots_offered_at_once_are_waited_for_as_many_times_longer() -> None:
+    # Three joiners at one boundary share the leader's uplink: the group waits up to
+    # three snapshots' time for them (a 24-peer start sends 23 at once).
+    from daisyweb.protocol.leading import SNAPSHOT_WAIT_FLOOR_S
+
+    bus = ElectionBus(["a", "b", "c"], steps=8)
+    a = bus.machines["a"]
+    a.join_timeout = 120.0
+    bus.start()
+    _settle(bus, 2)
+    for g in ("g1", "g2", "g3"):
+        bus.handle("a", a.peer_up(g, bus.now))
+    _release(bus)
+    assert bus.replicas["a"].step == 3 and len(bus.snapshots) == 3
+    bus.advance(3 * SNAPSHOT_WAIT_FLOOR_S - 1.0)
+    assert bus.replicas["a"].step == 3  # still waiting for the three
+    bus.advance(2.0)
+    assert set(bus.finished) == {"a", "b", "c"}
