@@ -407,7 +407,7 @@ class ChurnReport:
     """Everything the tables are made of (``main`` returns it; the test reads it)."""
 
     baseline: RunResult | None
-    faulty: RunResult
+    faulty: RunResult | None  # None: --startup-only
     rows: list[dict[str, str]]  # per fault, as printed
     final_hashes: dict[str, list[str]]  # weight hash -> peers that exited 0 with it
     forked: list[str]  # "pNN at round R"
@@ -710,6 +710,20 @@ def startup_rows(trials: list[StartTrial]) -> list[str]:
     return rows
 
 
+def startup_section(args: argparse.Namespace, startup: list[StartTrial]) -> list[str]:
+    return [f"Start-up: a leader with `--wait-peers N` and N - 1 followers started at "
+            f"once ({_trials_text(args.startup_sizes)}; a trial and every peer's "
+            f"`--join-timeout`: {args.startup_timeout:g} s + 8 s per peer). Time from "
+            "the leader's start to the first commit with all N in the roster; a start "
+            "lost members when its first roster was short, a peer exited, or no full "
+            "roster came. The longest stall is the most any peer's event loop was "
+            "late (`loop_stall_max_s`, from its end record): what the link timeouts "
+            "must allow for.", "",
+            "| peers | trials | full roster s (median) | max s | longest loop stall s "
+            "| starts that lost members | what |", "|---:|---:|---:|---:|---:|---|---|",
+            *startup_rows(startup), ""]
+
+
 def report(args: argparse.Namespace, command: str, load: float, base: RunResult | None,
            run: RunResult, startup: list[StartTrial], out: Path) -> ChurnReport:
     g = run.group
@@ -799,17 +813,7 @@ def report(args: argparse.Namespace, command: str, load: float, base: RunResult 
                "| peer | sampled min | first | 1/4 | 1/2 | 3/4 | last | max | MB/min |",
                "|---|---|---:|---:|---:|---:|---:|---:|---:|", *rss, ""]
     if startup:
-        md += [f"Start-up: a leader with `--wait-peers N` and N - 1 followers started at "
-               f"once ({_trials_text(args.startup_sizes)}; a trial and every peer's "
-               f"`--join-timeout`: {args.startup_timeout:g} s + 8 s per peer). Time from "
-               "the leader's start to the first commit with all N in the roster; a start "
-               "lost members when its first roster was short, a peer exited, or no full "
-               "roster came. The longest stall is the most any peer's event loop was "
-               "late (`loop_stall_max_s`, from its end record): what the link timeouts "
-               "must allow for.", "",
-               "| peers | trials | full roster s (median) | max s | longest loop stall s "
-               "| starts that lost members | what |", "|---:|---:|---:|---:|---:|---|---|",
-               *startup_rows(startup), ""]
+        md += startup_section(args, startup)
     return ChurnReport(base, run, rows, finals, forked, halted, startup,
                        "\n".join(md).rstrip() + "\n")
 
@@ -839,6 +843,8 @@ def parse(argv: Sequence[str] | None) -> argparse.Namespace:
     ap.add_argument("--startup-timeout", type=float, default=60.0,
                     help="seconds per trial, plus 8 s per peer (default 60)")
     ap.add_argument("--skip-startup", action="store_true")
+    ap.add_argument("--startup-only", action="store_true",
+                    help="only the start-up table (its own section of TEST_RESULTS.md)")
     ap.add_argument("--out", type=Path, help="logs and metrics (default out/churn-<time>)")
     ap.add_argument("--quick", action="store_true", help="a 2-minute form; nothing written")
     args = ap.parse_args(argv)
@@ -887,6 +893,18 @@ def _trials_text(sizes: Sequence[tuple[int, int]]) -> str:
     return "trials per size: " + ", ".join(f"{n}: {k}" for n, k in sizes)
 
 
+def run_startups(server: str, args: argparse.Namespace, out: Path) -> list[StartTrial]:
+    startup: list[StartTrial] = []
+    for n, trials in args.startup_sizes:
+        for k in range(trials):
+            t = startup_trial(server, out / f"startup-{n}-{k + 1}", n, k + 1,
+                              args.startup_timeout + 8 * n)
+            print(f"start-up of {n}: full roster after {_s(t.full_s)} s"
+                  + (f"; lost: {t.lost}" if t.lost else ""), flush=True)
+            startup.append(t)
+    return startup
+
+
 def main(argv: Sequence[str] | None = None) -> ChurnReport:
     argv = list(sys.argv[1:] if argv is None else argv)
     args = parse(argv)
@@ -898,6 +916,20 @@ def main(argv: Sequence[str] | None = None) -> ChurnReport:
         raise KeyboardInterrupt  # the finally blocks stop every peer
 
     previous = signal.signal(signal.SIGTERM, terminated)
+    if args.startup_only:
+        try:
+            with signaling_server(ROOT) as server:
+                startup = run_startups(server, args, out)
+        finally:
+            signal.signal(signal.SIGTERM, previous)
+        md = ["## Start-up of big groups (bench.churn --startup-only, issue 36)", "",
+              f"Command: `{_command(argv)}`. Machine: {machine()}; load average {load:.1f} "
+              "at the start. Signaling server and peers on 127.0.0.1 (aiortc), unpinned on "
+              "the machine's cores.", "", *startup_section(args, startup)]
+        print("\n".join(md))
+        if not args.quick:
+            write_section("churn-startup", "\n".join(md))
+        return ChurnReport(None, None, [], {}, [], [], startup, "\n".join(md))
     try:
         with signaling_server(ROOT) as server:
             base = None
@@ -919,15 +951,7 @@ def main(argv: Sequence[str] | None = None) -> ChurnReport:
                                 args.drain_minutes * 60)
             finally:
                 g.stop_all()
-            startup: list[StartTrial] = []
-            if not args.skip_startup:
-                for n, trials in args.startup_sizes:
-                    for k in range(trials):
-                        t = startup_trial(server, out / f"startup-{n}-{k + 1}", n, k + 1,
-                                          args.startup_timeout + 8 * n)
-                        print(f"start-up of {n}: full roster after {_s(t.full_s)} s"
-                              + (f"; lost: {t.lost}" if t.lost else ""), flush=True)
-                        startup.append(t)
+            startup = [] if args.skip_startup else run_startups(server, args, out)
     finally:
         signal.signal(signal.SIGTERM, previous)
     rep = report(args, _command(argv), load, base, run, startup, out)

@@ -27,6 +27,7 @@ def test_a_paused_follower_is_timed_and_the_group_ends_with_one_hash(tmp_path: P
                       "--faults", "follower-stop-10", "--baseline-minutes", "0.2",
                       "--drain-minutes", "0.5", "--skip-startup", "--out", str(tmp_path)])
     wall = time.monotonic() - t0
+    assert rep.faulty is not None
     g = rep.faulty.group
 
     # The fault-free reference ran and its records were read.
