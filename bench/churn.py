@@ -426,6 +426,10 @@ def wait_first_commit(g: Group, lead: Peer, timeout: float) -> float:
     return t0
 
 
+class StartFailed(Exception):
+    """A group's leader never joined its room."""
+
+
 def start_group(g: Group, peers: int) -> Peer:
     """A leader waiting for ``peers`` in all, then the others (once it is in the room:
     the room's first peer is its host)."""
@@ -433,7 +437,7 @@ def start_group(g: Group, peers: int) -> Peer:
     deadline = time.time() + 60
     g.wait(deadline, lambda: bool(lead.id) or not lead.running)
     if not lead.id:
-        raise SystemExit(f"the leader did not join: {lead.last_line or lead.log}")
+        raise StartFailed(f"the leader did not join: {lead.last_line or lead.log}")
     for _ in range(peers - 1):
         g.spawn()
     return lead
@@ -563,7 +567,10 @@ class Churn:
 def startup_trial(server: str, out: Path, n: int, trial: int, timeout: float) -> StartTrial:
     g = Group(server, f"churnstart{n}x{trial}", out, UNBOUNDED_STEPS, join_timeout=timeout)
     try:
-        lead = start_group(g, n)
+        try:
+            lead = start_group(g, n)
+        except StartFailed as exc:  # one trial's failure, not the bench's
+            return StartTrial(n, None, 0, str(exc))
         t_start = lead.born
 
         def full() -> bool:
@@ -965,6 +972,8 @@ def main(argv: Sequence[str] | None = None) -> ChurnReport:
 if __name__ == "__main__":
     try:
         main()
+    except StartFailed as exc:
+        raise SystemExit(f"bench.churn: {exc}") from None
     except KeyboardInterrupt:
         print("bench.churn: interrupted; every peer and the signaling server it started "
               "are stopped", file=sys.stderr)
