@@ -495,9 +495,10 @@ class StepMachine:
             return
         if not self._had_roster:
             # No roster yet, so no agreed order to pick a successor from: every
-            # follower would pick itself (split brain). Stop instead; nothing is lost.
-            self.stop_run(out, self.boundary, f"the leader {peer} left before the first roster",
-                       broadcast=False)
+            # follower would pick itself (split brain). Rejoin instead, and take a
+            # snapshot again from the leader the group names (a starved follower's link
+            # to a live leader drops during a big start); nothing is lost.
+            self._cut_off(out, f"the leader {peer} left before the first roster")
             return
         roster = self.roster(self.boundary) or self.electorate()
         new = successor(roster, peer, self.members.alive)

@@ -23,6 +23,7 @@ from daisyweb.protocol.ledger import Archive
 from daisyweb.protocol.sync import (
     Commit,
     Compute,
+    CutOff,
     Excluded,
     Finish,
     Phase,
@@ -638,16 +639,25 @@ def test_joiner_that_never_confirms_is_dropped_after_the_timeout() -> None:
     assert set(bus.finished) == {"a", "b"}
 
 
-def test_leader_lost_before_the_first_roster_stops_followers_without_split_brain() -> None:
+def test_leader_lost_before_the_first_roster_sends_followers_back_without_split_brain(
+) -> None:
     bus = Bus(["a", "b", "c"], steps=3)
+    cut: dict[str, CutOff] = {}
     for p in "bc":
         bus.handle(p, bus.machines[p].start(bus.now))  # a never names a roster
     bus.run()
-    bus.kill("a")
+    bus.dead.add("a")
+    for p in "bc":
+        out = bus.machines[p].peer_down("a", bus.now)
+        for x in out:
+            if isinstance(x, CutOff):
+                cut[p] = x
+        bus.handle(p, out)
     bus.run()
-    assert set(bus.stopped) == {"b", "c"}
-    assert all("before the first roster" in bus.stopped[p].reason for p in "bc")
+    assert set(cut) == {"b", "c"} and not bus.stopped  # they rejoin: a snapshot again
+    assert all("before the first roster" in cut[p].reason for p in "bc")
     assert not any(bus.machines[p].is_leader for p in "bc")
+    assert all(bus.machines[p].phase is Phase.CUT_OFF for p in "bc")
 
 
 
