@@ -243,12 +243,15 @@ async def test_a_stalled_event_loop_does_not_drop_its_links(srv):
     real still goes (the test above)."""
     a, b = await connected_pair(srv, **FAST_HB)
     time.sleep(FAST_HB["heartbeat_timeout"] + 0.7)  # noqa: ASYNC251 -- the stall itself
+    await asyncio.sleep(0.3)  # the heartbeat tick that wakes late measures the stall
+    measured = a.stalls.recent()  # read now: the meter's window forgets it in 1.6 s
+    assert measured > FAST_HB["heartbeat_timeout"]
     seen: list = []
     with contextlib.suppress(AssertionError, asyncio.TimeoutError):  # no PeerDown: good
         await until(a, lambda e: isinstance(e, PeerDown), timeout=1.5, seen=seen)
     assert not [e for e in seen if isinstance(e, PeerDown)], seen
-    assert a.connected() == [b.self_id] and a.stalls.recent() > FAST_HB["heartbeat_timeout"]
-    assert a.stalls.longest >= a.stalls.recent()  # what the end record reports
+    assert a.connected() == [b.self_id]
+    assert a.stalls.longest >= measured  # what the end record reports
 
 
 def test_link_timeout_fits_round_trips_and_our_own_stalls() -> None:
