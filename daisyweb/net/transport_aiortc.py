@@ -17,6 +17,14 @@ public STUN server.
 hold aiortc's whole SCTP window (1 MiB of data in flight). With 256 KiB a peer whose
 one core is busy computing drops datagrams at its own socket, and each loss costs an
 SCTP retransmission (``RcvbufErrors`` in ``/proc/net/snmp``).
+
+:func:`tolerate_missed_consent_checks` raises how many consent checks in a row aioice may
+miss before it closes a connection (its ``ice.CONSENT_FAILURES``, 6). aioice sends one
+check every ~5 s and gives each a single 0.5 s try, so a peer whose event loop is starved
+(a 32-peer start on two cores, a leader streaming snapshots) misses six in a row and its
+links to live peers close ("Consent to send expired"). Every authenticated frame already
+proves the peer consents, and the mesh's heartbeats, which fit the measured round trips
+and stalls, drop a peer that is really gone within 30 s.
 """
 
 from __future__ import annotations
@@ -37,8 +45,9 @@ from aiortc import (
 
 from daisyweb.net.ice import ENV_VAR, IceServer, IceSettings, hosts_from_env
 
-__all__ = ["SOCKET_BUFFER_BYTES", "TRANSPORT", "enlarge_socket_buffers",
-           "restrict_host_candidates", "unrestrict", "rtc_configuration"]
+__all__ = ["CONSENT_CHECKS_MISSED", "SOCKET_BUFFER_BYTES", "TRANSPORT",
+           "enlarge_socket_buffers", "restrict_host_candidates", "rtc_configuration",
+           "tolerate_missed_consent_checks", "unrestrict"]
 
 _original = aioice.ice.get_host_addresses
 _allowed: list[str] | None = None
@@ -46,6 +55,9 @@ _allowed: list[str] | None = None
 # aiortc advertises a 1 MiB receive window and the kernel charges each ~1.2 KB datagram
 # about twice its size: 4 MiB holds a full window (Linux caps it at net.core.rmem_max).
 SOCKET_BUFFER_BYTES = 4 << 20
+
+# Consent checks missed in a row before aioice closes a connection: about 2 minutes.
+CONSENT_CHECKS_MISSED = 24
 
 
 def _restricted_get_host_addresses(use_ipv4: bool, use_ipv6: bool) -> list[str]:
@@ -88,6 +100,13 @@ def enlarge_socket_buffers() -> None:
                                              SOCKET_BUFFER_BYTES)
 
 
+def tolerate_missed_consent_checks() -> None:
+    """aioice closes a connection only after :data:`CONSENT_CHECKS_MISSED` consent
+    checks in a row went unanswered (process-wide, idempotent; aioice reads the value at
+    each check)."""
+    aioice.ice.CONSENT_FAILURES = max(aioice.ice.CONSENT_FAILURES, CONSENT_CHECKS_MISSED)
+
+
 def _server(s: IceServer) -> RTCIceServer:
     return RTCIceServer(s.url, username=s.username, credential=s.credential)
 
@@ -105,6 +124,7 @@ class AiortcTransport:
 
     def prepare(self, settings: IceSettings) -> None:
         enlarge_socket_buffers()
+        tolerate_missed_consent_checks()
         if settings.hosts:
             restrict_host_candidates(settings.hosts)
 

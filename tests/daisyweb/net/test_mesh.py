@@ -20,6 +20,7 @@ import time
 from pathlib import Path
 
 import aiohttp
+import aioice.ice
 import pytest
 from aiohttp import web
 from websockets.protocol import State
@@ -252,6 +253,30 @@ async def test_a_stalled_event_loop_does_not_drop_its_links(srv):
     assert not [e for e in seen if isinstance(e, PeerDown)], seen
     assert a.connected() == [b.self_id]
     assert a.stalls.longest >= measured  # what the end record reports
+
+
+async def test_missed_ice_consent_checks_do_not_close_a_live_link(srv, monkeypatch):
+    """aioice gives each consent check one 0.5 s try, so a starved peer misses several in
+    a row; in a 32-peer start that closed links between live peers ("Consent to send
+    expired"). Here neither side answers a consent check while heartbeats flow: the link
+    outlives six missed checks (aioice's own limit) by far."""
+    monkeypatch.setattr(aioice.ice, "CONSENT_INTERVAL", 0.02)  # a check every ~0.5 s
+    a, b = await connected_pair(srv, **HB)
+    answered = aioice.ice.Connection.request_received
+    deaf = {"on": True}
+
+    def request_received(conn, message, addr, protocol) -> None:
+        if not (deaf["on"] and conn._query_consent_task is not None):  # connected
+            answered(conn, message, addr, protocol)
+
+    monkeypatch.setattr(aioice.ice.Connection, "request_received", request_received)
+    seen: list = []
+    with contextlib.suppress(AssertionError, asyncio.TimeoutError):  # no PeerDown: good
+        # ~6 s: twelve checks missed, aioice's own limit of six would close at ~3 s
+        await until(a, lambda e: isinstance(e, PeerDown), timeout=6.0, seen=seen)
+    deaf["on"] = False
+    assert not [e for e in seen if isinstance(e, PeerDown)], seen
+    assert a.connected() == [b.self_id] and b.connected() == [a.self_id]
 
 
 def test_link_timeout_fits_round_trips_and_our_own_stalls() -> None:
