@@ -41,7 +41,8 @@ class Transport(Protocol):
     name: str  # "aiortc" or "libwebrtc": shown in logs, metrics and the dashboard
 
     def prepare(self, settings: IceSettings) -> None:
-        """Process-wide set-up before the first connection (candidate restriction)."""
+        """Process-wide set-up before the first connection (candidate restriction), called
+        on the running event loop."""
 
     def peer_connection(self, settings: IceSettings) -> Any:
         """A new RTCPeerConnection (aiortc API) configured by ``settings``."""

@@ -25,11 +25,19 @@ check every ~5 s and gives each a single 0.5 s try, so a peer whose event loop i
 links to live peers close ("Consent to send expired"). Every authenticated frame already
 proves the peer consents, and the mesh's heartbeats, which fit the measured round trips
 and stalls, drop a peer that is really gone within 30 s.
+
+:func:`quiet_sends_after_close` keeps aiortc's own loose ends off the user's screen: its
+SCTP association retransmits from tasks nobody awaits, and one that fires after its
+connection closed fails with ``ConnectionError``, which asyncio would print as "Task
+exception was never retrieved" with the task's repr (a link that timed out connecting
+does it). Those go to the debug log; every other unhandled error is reported as before.
 """
 
 from __future__ import annotations
 
+import asyncio
 import ipaddress
+import logging
 from collections.abc import Iterable
 from typing import Any
 
@@ -46,8 +54,11 @@ from aiortc import (
 from daisyweb.net.ice import ENV_VAR, IceServer, IceSettings, hosts_from_env
 
 __all__ = ["CONSENT_CHECKS_MISSED", "SOCKET_BUFFER_BYTES", "TRANSPORT",
-           "enlarge_socket_buffers", "restrict_host_candidates", "rtc_configuration",
+           "enlarge_socket_buffers", "quiet_sends_after_close", "restrict_host_candidates",
+           "rtc_configuration",
            "tolerate_missed_consent_checks", "unrestrict"]
+
+log = logging.getLogger(__name__)
 
 _original = aioice.ice.get_host_addresses
 _allowed: list[str] | None = None
@@ -107,6 +118,33 @@ def tolerate_missed_consent_checks() -> None:
     aioice.ice.CONSENT_FAILURES = max(aioice.ice.CONSENT_FAILURES, CONSENT_CHECKS_MISSED)
 
 
+def _from_aiortc_after_close(context: dict[str, Any]) -> bool:
+    task = context.get("future")
+    coro = task.get_coro() if isinstance(task, asyncio.Task) else None
+    return (isinstance(context.get("exception"), ConnectionError)
+            and getattr(coro, "__qualname__", "").startswith("RTCSctpTransport."))
+
+
+def quiet_sends_after_close(loop: asyncio.AbstractEventLoop) -> None:
+    """On ``loop``, an aiortc SCTP task that failed because its connection closed is
+    logged at debug level; any other context goes to the handler installed before
+    (idempotent)."""
+    previous = loop.get_exception_handler()
+    if getattr(previous, "quiets_aiortc", False):
+        return
+
+    def handler(loop: asyncio.AbstractEventLoop, context: dict[str, Any]) -> None:
+        if _from_aiortc_after_close(context):
+            log.debug("aiortc: %s", context.get("exception"))
+        elif previous is not None:
+            previous(loop, context)
+        else:
+            loop.default_exception_handler(context)
+
+    handler.quiets_aiortc = True  # type: ignore[attr-defined]
+    loop.set_exception_handler(handler)
+
+
 def _server(s: IceServer) -> RTCIceServer:
     return RTCIceServer(s.url, username=s.username, credential=s.credential)
 
@@ -125,6 +163,7 @@ class AiortcTransport:
     def prepare(self, settings: IceSettings) -> None:
         enlarge_socket_buffers()
         tolerate_missed_consent_checks()
+        quiet_sends_after_close(asyncio.get_running_loop())
         if settings.hosts:
             restrict_host_candidates(settings.hosts)
 

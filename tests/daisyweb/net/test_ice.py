@@ -1,3 +1,6 @@
+import asyncio
+import logging
+
 import aioice.ice
 import pytest
 from aiortc import RTCPeerConnection
@@ -117,4 +120,46 @@ async def test_prepare_gives_udp_sockets_a_receive_buffer_for_a_whole_sctp_windo
             assert sock.getsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF) >= granted
     finally:
         await pc.close()
+        ice_aiortc.unrestrict()
+
+
+async def test_aiortc_sends_after_close_stay_off_the_screen(caplog) -> None:
+    """aiortc retransmits SCTP chunks from tasks nobody awaits; one that runs after its
+    connection closed fails with ConnectionError, which asyncio would report as "Task
+    exception was never retrieved" (users saw it when a link timed out connecting). Any
+    other unretrieved error is still reported."""
+    import gc
+
+    from aiortc.rtcsctptransport import InitChunk
+
+    caplog.set_level(logging.DEBUG, logger=ice_aiortc.__name__)
+    ice_aiortc.TRANSPORT.prepare(ice.IceSettings(hosts=("127.0.0.1",)))
+    settings = ice.IceSettings(hosts=("127.0.0.1",))
+    pc, other = (ice_aiortc.TRANSPORT.peer_connection(settings) for _ in range(2))
+    try:
+        opened = asyncio.Event()
+        pc.createDataChannel("x").on("open", opened.set)
+        await pc.setLocalDescription(await pc.createOffer())
+        await other.setRemoteDescription(pc.localDescription)
+        await other.setLocalDescription(await other.createAnswer())
+        await pc.setRemoteDescription(other.localDescription)
+        await asyncio.wait_for(opened.wait(), 10)
+        await pc.close()
+
+        async def ours() -> None:
+            raise ConnectionError("ours")
+
+        # a retransmission that fires after the close, and one error of our own
+        tasks = [asyncio.ensure_future(pc.sctp._send_chunk(InitChunk())),
+                 asyncio.ensure_future(ours())]
+        await asyncio.wait(tasks)  # done, their exceptions never retrieved
+        del tasks
+        gc.collect()  # asyncio reports an unretrieved exception when the task goes
+        reported = [r.getMessage() for r in caplog.records
+                    if "exception was never retrieved" in r.getMessage()]
+        assert len(reported) == 1 and "ours" in caplog.text, caplog.text
+        assert "aiortc: Cannot send encrypted data" in caplog.text  # aiortc's, at debug
+    finally:
+        await pc.close()
+        await other.close()
         ice_aiortc.unrestrict()
