@@ -111,6 +111,16 @@ class Leader:
                 # (it finds the group gone on without it, or wakes cut off).
                 m.members.leave(p)
 
+    def snapshot_went_stale(self, joiner: str) -> bool:
+        """Whether the group went on without ``joiner``'s snapshot: a roster of its
+        boundary leaves it out, or the group is past that boundary."""
+        m = self.machine
+        b = m.members.offered.get(joiner)
+        if b is None:
+            return False  # not offered one yet: it gets one at the next boundary
+        roster = m.roster(b)
+        return b < m.boundary or (roster is not None and joiner not in roster)
+
     def lead(self, out: list[Action], b: int, now: float) -> None:
         m = self.machine
         st = m.ledger.get(b)

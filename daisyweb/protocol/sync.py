@@ -513,9 +513,12 @@ class StepMachine:
             self.leadership.record(peer, "", 0)
             self._left.add(peer)
             if peer in self.members.pending and self.is_leader:
-                # A joiner whose snapshot went stale (the group went on): offer a new one.
-                self.members.forget_joiner(peer)
-                self.members.came_up(peer, now)
+                if self.leading.snapshot_went_stale(peer):
+                    # The group went on without the joiner: offer it a new snapshot.
+                    self.members.forget_joiner(peer)
+                    self.members.came_up(peer, now)
+                # else its snapshot is on the way: this Following("") left before it
+                # arrived (every joiner sends one when its link comes up).
                 return
             if peer in self.members.participants or peer == self.leader:
                 self.members.went_down(peer)

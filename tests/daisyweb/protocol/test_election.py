@@ -360,6 +360,16 @@ def test_a_joiner_whose_snapshot_went_stale_is_offered_a_new_one() -> None:
     assert [s.step for s in bus.snapshots if s.peer == "ghost"] == [3, 4]
 
 
+def test_a_joiners_hello_that_crossed_its_snapshot_brings_no_second_one() -> None:
+    """Every joiner says it follows nobody when its link comes up; a leader that offered
+    it a snapshot meanwhile (32 joiners at once: all of them) must not send another."""
+    bus, a = _ghost_joiner()
+    assert a.roster(3) is None  # the group still waits for the joiner at boundary 3
+    bus.handle("a", a.message("ghost", wire.Following("", 0), bus.now))
+    bus.advance(1.0)
+    assert [s.step for s in bus.snapshots if s.peer == "ghost"] == [3]
+
+
 def test_a_peer_that_stood_still_is_cut_off_before_it_acts() -> None:
     """A leader woken from a pause holds, in its own view, a round whose deadline passed
     long ago: amending it and committing would fork the group. It is cut off first."""
