@@ -206,8 +206,9 @@ class Link:
         """Whether the link is usable and heard from within ``timeout``; else drop it."""
         if not self.usable:
             return False
-        if now - self._last_rx > timeout:
-            self.drop("heartbeat timeout")
+        silent = now - self._last_rx
+        if silent > timeout:
+            self.drop(f"heartbeat timeout: silent {silent:.1f} s, allowed {timeout:.1f} s")
             return False
         return True
 

@@ -143,6 +143,8 @@ class Report:
         note = f"{mode(run)}  comm {comm_share:.0%}"
         if run.sync_every > 1:
             note = f"round {c.step + 1}/{total}  " + note
+        if c.rollback:
+            note += "  (committed again: the roster was amended)"
         heldout = self._maybe_evaluate(state, done)
         if heldout is not None:
             note += f"  held-out {heldout[0]:.3f}"

@@ -73,7 +73,10 @@ class Progress:
 
     def line(self, step: int, loss: float, tokens_per_s: float, note: str = "") -> str:
         eta = self.eta_s(step)
-        return (f"step {step}/{self.total_steps}  loss {loss:.4f}  "
+        # NaN: no loss of this peer's own in the commit (it did not compute that round,
+        # or the round was committed again after an amended roster)
+        shown = "-" if math.isnan(loss) else f"{loss:.4f}"
+        return (f"step {step}/{self.total_steps}  loss {shown}  "
                 f"{tokens_per_s:,.0f} tok/s  eta {_duration(eta)}"
                 + (f"  {note}" if note else ""))
 

@@ -311,7 +311,7 @@ async def test_heartbeat_timeout_and_liveness_from_data(srv):
     # Now silence: b must notice within heartbeat_timeout + 1 s.
     t0 = time.monotonic()
     e = await until(b, lambda e: isinstance(e, PeerDown), timeout=FAST_HB["heartbeat_timeout"] + 1)
-    assert (e.peer, e.reason) == (a.self_id, "heartbeat timeout")
+    assert e.peer == a.self_id and e.reason.startswith("heartbeat timeout: silent ")
     assert time.monotonic() - t0 < FAST_HB["heartbeat_timeout"] + 1
     # Heal the fault: the lower id dials again and the link comes back (no glare).
     a.drop_outgoing = None

@@ -1,5 +1,6 @@
 import io
 import json
+import math
 
 import numpy as np
 import pytest
@@ -113,6 +114,9 @@ def test_progress_line_reports_rate_and_eta() -> None:
     last = out.getvalue().splitlines()[-1]
     assert "step 2/10" in last and "loss 3.2500" in last and "250 tok/s" in last
     assert "eta 16s" in last  # 8 steps left at 2 s per step
+    now[0] += 2.0
+    prog.update(3, math.nan, tokens=500)  # no loss of its own in this commit
+    assert "loss -  " in out.getvalue().splitlines()[-1] and "nan" not in out.getvalue()
 
 
 def test_failed_saves_keep_training_and_the_end_record(tmp_path) -> None:
