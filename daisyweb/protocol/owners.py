@@ -1,0 +1,128 @@
+"""The owner exchange's math: each part of the mean reduced once, by the member that owns it.
+
+All-to-all sends every member's whole contribution to every other member, so a member's
+bytes per round grow with the group. Here the parameter vector is cut into as many fixed
+parts as the roster has members (:func:`part_bounds`); the member at roster position
+``j`` owns part ``j``. Each member sends the bytes of part ``j`` of its encoded
+contribution to its owner (:func:`part_payload`: a slice of the whole payload, itself a
+valid payload of the part's values, so the encoding, and its error feedback, are those
+of all-to-all). The owner reduces its part (:func:`reduce_part`: every member's part
+decoded, clipped and averaged in roster order, exactly as all-to-all averages the whole
+vector), encodes the mean of its part with its own error feedback
+(:class:`MeanEncoder`) and sends those bytes to every member. Every member, the owner
+included, decodes the owners' bytes into the mean it applies (:func:`assemble_mean`),
+so replicas stay bit-identical: nobody applies a value it did not receive as bytes.
+
+A member then sends and receives about two contributions' worth per round whatever the
+group's size, against ``n - 1`` for all-to-all.
+
+Bounded influence is applied per part: the owner clips each member's part against the
+lower median of the members' part norms (``influence.clip_factors``), so a member that
+lies moves each part of the mean no further than an honest member would.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import numpy as np
+
+from daisyweb.protocol.averaging import GradientError, Parts, average_parts_in_roster_order
+from daisyweb.protocol.codec import Codec, ErrorFeedback, F32Codec, Int8Codec, decode_parts
+from daisyweb.protocol.influence import clip_factors, squared_norm
+
+__all__ = ["PART_ALIGN", "MeanEncoder", "assemble_mean", "part_bounds", "part_payload",
+           "reduce_part"]
+
+PART_ALIGN = 256
+"""Parts start at multiples of this many values: whole int8 (256) and int4 (64) blocks,
+so a part's bytes are a slice of the whole payload's."""
+
+
+def part_bounds(size: int, parts: int) -> list[slice]:
+    """``parts`` contiguous ranges covering ``0 .. size`` in order, each starting at a
+    multiple of :data:`PART_ALIGN` and as equal as that allows (a small vector leaves
+    the last parts empty). The same for every member: it depends on nothing else."""
+    if parts < 1:
+        raise ValueError(f"parts must be at least 1, got {parts}")
+    blocks = -(-size // PART_ALIGN)
+    edges = [min(size, (blocks * j // parts) * PART_ALIGN) for j in range(parts)] + [size]
+    return [slice(edges[j], edges[j + 1]) for j in range(parts)]
+
+
+def part_payload(codec: Codec, payload: bytes, size: int, where: slice) -> bytes:
+    """The bytes of values ``where`` of a whole ``size``-value payload: themselves a
+    payload of ``where``'s values (``where`` from :func:`part_bounds`)."""
+    if where.start % PART_ALIGN or not 0 <= where.start <= where.stop <= size:
+        raise ValueError(f"part {where.start}..{where.stop} of {size} values is not a part")
+    if isinstance(codec, F32Codec):
+        return payload[4 * where.start:4 * where.stop]
+    if isinstance(codec, Int8Codec):
+        first, last = where.start // codec.block, codec.nblocks(where.stop)
+        values_at = 4 * codec.nblocks(size)
+        # int4 packs two values a byte; a part starts on an even value (PART_ALIGN)
+        lo = values_at + codec.values_size(where.start)
+        hi = values_at + codec.values_size(where.stop)
+        return payload[4 * first:4 * last] + payload[lo:hi]
+    raise ValueError(f"the owner exchange cannot cut {codec.name} payloads")
+
+
+def reduce_part(codec: Codec, payloads: Sequence[bytes], length: int,
+                shares: Sequence[int] = (), clip: bool = True,
+                who: Sequence[str] = ()) -> tuple[np.ndarray, tuple[int, ...]]:
+    """The owner's mean of one part: every member's part payload (roster order) decoded,
+    each clipped against the lower median of their norms, averaged as all-to-all
+    averages (``averaging.average_parts_in_roster_order``). Returns the mean (float32,
+    ``length`` values) and the roster positions that were clipped."""
+    names = list(who) or [f"member {i}" for i in range(len(payloads))]
+
+    def parts(i: int) -> Parts:  # a part's payload decodes to ranges from 0
+        return decode_parts(codec, payloads[i], length, f"part from {names[i]}")
+
+    factors: tuple[np.float32 | None, ...] = ()
+    if clip:
+        factors = clip_factors([squared_norm(parts(i)) for i in range(len(payloads))])
+    mean = average_parts_in_roster_order([parts(i) for i in range(len(payloads))], length,
+                                         shares, factors)
+    return mean, tuple(i for i, f in enumerate(factors) if f is not None)
+
+
+class MeanEncoder:
+    """An owner's encoder of the means of the parts it owns: the codec with error
+    feedback over the whole vector, of which each round moves the owned part's slice
+    (parts move when the roster changes; the residual of a part a member no longer owns
+    waits until it owns it again). Purely local, as a contributor's error feedback is."""
+
+    def __init__(self, codec: Codec, size: int) -> None:
+        self.codec = codec
+        self.feedback = ErrorFeedback(size)
+
+    def encode(self, where: slice, mean: np.ndarray) -> bytes:
+        """The bytes of part ``where``'s mean (``mean``: float32, its values)."""
+        if self.codec.name == "f32":
+            return self.codec.encode(mean)  # lossless: nothing to feed back
+        part = ErrorFeedback(where.stop - where.start)
+        part.residual = self.feedback.residual[where].copy()
+        payload, _ = part.encode_decoded(self.codec, mean)
+        self.feedback.residual[where] = part.residual
+        return payload
+
+
+def assemble_mean(codec: Codec, payloads: Sequence[bytes], bounds: Sequence[slice],
+                  size: int, who: Sequence[str] = ()) -> np.ndarray:
+    """The whole mean from the owners' part payloads (part order), decoded and checked
+    (a wrong length or a non-finite value raises ``GradientError``)."""
+    if len(payloads) != len(bounds):
+        raise GradientError(f"{len(payloads)} mean parts for {len(bounds)} parts")
+    names = list(who) or [f"owner of part {j}" for j in range(len(bounds))]
+    mean = np.empty(size, np.float32)
+    done = 0
+    for j, (payload, where) in enumerate(zip(payloads, bounds, strict=True)):
+        if where.start != done:
+            raise GradientError(f"part {j} starts at {where.start}, expected {done}")
+        mean[where] = codec.decode(payload, where.stop - where.start,
+                                   f"mean part {j} from {names[j]}")
+        done = where.stop
+    if done != size:
+        raise GradientError(f"mean parts cover {done} of {size} values")
+    return mean
