@@ -47,7 +47,8 @@ from daisyweb.net.ice import IceSettings, filter_candidates
 from daisyweb.net.transport import Transport
 from daisyweb.protocol import framing, wire
 
-__all__ = ["Link", "SEND_HIGH_WATER", "SEND_LOW_WATER", "CHANNEL_LABEL", "MAX_BAD_MESSAGES"]
+__all__ = ["BeatDelay", "CHANNEL_LABEL", "Link", "MAX_BAD_MESSAGES", "SEND_HIGH_WATER",
+           "SEND_LOW_WATER"]
 
 log = logging.getLogger("daisyweb.net.mesh")
 
@@ -61,6 +62,25 @@ CHANNEL_LABEL = "daisyweb"
 MAX_BAD_MESSAGES = 20
 # A heartbeat answer older than this is no round-trip time (the peer would be dead).
 MAX_RTT_S = 60.0
+
+
+class BeatDelay:
+    """How much later than the fastest of the last ``window`` seconds a peer's beats
+    reach us: the time they queued on the way, behind the peer's data or in our own
+    backlog of frames not processed yet. A beat's age (our wall clock when we process
+    it, minus the ``t`` it was sent with) also holds the offset between the two clocks,
+    which the windowed minimum takes out; a wall-clock step ages out with the window."""
+
+    def __init__(self, window: float = 60.0) -> None:
+        self.window = window
+        self._ages: deque[tuple[float, float]] = deque()  # (when, age)
+
+    def record(self, now: float, age: float) -> float:
+        """Add a beat of ``age`` processed at ``now`` (monotonic); return its delay."""
+        self._ages.append((now, age))
+        while now - self._ages[0][0] > self.window:
+            self._ages.popleft()
+        return age - min(a for _, a in self._ages)
 
 
 class Link:
@@ -100,6 +120,8 @@ class Link:
         self._drained = asyncio.Event()
         self._bad = 0
         self.rtt: float | None = None  # seconds, from the last answered heartbeat
+        self.delay = BeatDelay()
+        self.late = 0.0  # how much later than its fastest lately the last beat came
         # The mesh's fault hook (peer, message) -> True to drop: tests silence a peer.
         self.drop_heartbeat: Callable[[str, wire.Message], bool] | None = None
         # msg_ids already reported bad: the rest of that message's frames are refused
@@ -285,7 +307,9 @@ class Link:
         self._events.put(Received(self.peer, message), size)
 
     def _heartbeat(self, beat: wire.Heartbeat) -> None:
-        """Answer a beat at once; an answer to ours gives the round-trip time."""
+        """Answer a beat at once; an answer to ours gives the round-trip time. Either
+        tells how late the peer's frames reach us (:class:`BeatDelay`)."""
+        self.late = self.delay.record(time.monotonic(), time.time() - beat.t)
         if beat.echo == 0.0:
             answer = wire.Heartbeat(t=time.time(), echo=beat.t)
             if self.drop_heartbeat is None or not self.drop_heartbeat(self.peer, answer):

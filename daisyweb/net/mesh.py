@@ -83,12 +83,14 @@ RTT_FACTOR = 4.0  # a link may be silent this many of its round trips...
 MAX_STRETCH = 6.0  # ...but never longer than this many base timeouts (a dead peer goes)
 
 
-def link_timeout(base: float, rtt: float | None, stall: float) -> float:
+def link_timeout(base: float, rtt: float | None, stall: float, late: float = 0.0) -> float:
     """How long a link may stay silent before it is dropped: ``base``, or ``RTT_FACTOR``
     of its last round trip if that is longer (capped at ``MAX_STRETCH x base``), plus
-    ``stall``, the longest our own event loop was blocked lately."""
+    ``stall``, the longest our own event loop was blocked lately, plus ``late``, how
+    late beats reached us lately (``link.BeatDelay``: frames queued behind data or in
+    our own backlog; capped at ``MAX_STRETCH x base``, so a dead peer still goes)."""
     slow = min(RTT_FACTOR * rtt, MAX_STRETCH * base) if rtt is not None else 0.0
-    return max(base, slow) + stall
+    return max(base, slow) + stall + min(max(0.0, late), MAX_STRETCH * base)
 
 
 class StallMeter:
@@ -161,6 +163,7 @@ class Mesh:
         self._heartbeat_interval = heartbeat_interval
         self._heartbeat_timeout = heartbeat_timeout
         self.stalls = StallMeter(2 * heartbeat_timeout)  # our loop's lateness, measured
+        self.beats_late = StallMeter(2 * heartbeat_timeout)  # beats' queueing, measured
         self._max_message_bytes = max_message_bytes
         # Until the run is known (limit_messages), one message of the cap at a time per
         # link, and one more starting: 2 x 256 MiB, not the reassembler's default 64 x.
@@ -414,10 +417,15 @@ class Mesh:
             now = time.monotonic()
             self.stalls.record(now, now - due)
             stall = self.stalls.recent()
+            # A backlog of frames we have not processed delays every link's beats alike
+            # (a starved leader of 32 peers heard nothing for 7 s from live members).
+            self.beats_late.record(now, max((link.late for link in self._links.values()
+                                             if link.usable), default=0.0))
+            late = self.beats_late.recent()
             beat = wire.Heartbeat(t=time.time())
             data = wire.encode(beat)
             for link in list(self._links.values()):
-                timeout = link_timeout(self._heartbeat_timeout, link.rtt, stall)
+                timeout = link_timeout(self._heartbeat_timeout, link.rtt, stall, late)
                 if link.check_liveness(now, timeout) and not self._dropped(link.peer, beat):
                     link.send_heartbeat(data)
             due = now + self._heartbeat_interval

@@ -11,7 +11,6 @@ channel, the signaling client's state) it names the private attribute it uses.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import itertools
 import os
 import subprocess
@@ -27,6 +26,7 @@ from websockets.protocol import State
 
 from daisyweb.net import ice, signaling_client
 from daisyweb.net import link as linkmod
+from daisyweb.net.link import BeatDelay
 from daisyweb.net.mesh import (
     BadMessage,
     JoinDenied,
@@ -99,6 +99,14 @@ async def until(m: Mesh, pred, timeout: float = 5.0, seen: list | None = None):
             return e
         if seen is not None:
             seen.append(e)
+
+
+async def first_down(m: Mesh, within: float) -> PeerDown | None:
+    """The first PeerDown ``m`` reports within ``within`` seconds, or None."""
+    try:
+        return await until(m, lambda e: isinstance(e, PeerDown), timeout=within)
+    except (AssertionError, asyncio.TimeoutError):
+        return None
 
 
 def up(peer: str):
@@ -247,10 +255,7 @@ async def test_a_stalled_event_loop_does_not_drop_its_links(srv):
     await asyncio.sleep(0.3)  # the heartbeat tick that wakes late measures the stall
     measured = a.stalls.recent()  # read now: the meter's window forgets it in 1.6 s
     assert measured > FAST_HB["heartbeat_timeout"]
-    seen: list = []
-    with contextlib.suppress(AssertionError, asyncio.TimeoutError):  # no PeerDown: good
-        await until(a, lambda e: isinstance(e, PeerDown), timeout=1.5, seen=seen)
-    assert not [e for e in seen if isinstance(e, PeerDown)], seen
+    assert await first_down(a, within=1.5) is None
     assert a.connected() == [b.self_id]
     assert a.stalls.longest >= measured  # what the end record reports
 
@@ -270,13 +275,39 @@ async def test_missed_ice_consent_checks_do_not_close_a_live_link(srv, monkeypat
             answered(conn, message, addr, protocol)
 
     monkeypatch.setattr(aioice.ice.Connection, "request_received", request_received)
-    seen: list = []
-    with contextlib.suppress(AssertionError, asyncio.TimeoutError):  # no PeerDown: good
-        # ~6 s: twelve checks missed, aioice's own limit of six would close at ~3 s
-        await until(a, lambda e: isinstance(e, PeerDown), timeout=6.0, seen=seen)
+    # ~6 s: twelve checks missed, aioice's own limit of six would close at ~3 s
+    down = await first_down(a, within=6.0)
     deaf["on"] = False
-    assert not [e for e in seen if isinstance(e, PeerDown)], seen
+    assert down is None, down
     assert a.connected() == [b.self_id] and b.connected() == [a.self_id]
+
+
+async def test_beats_that_queued_on_the_way_stretch_the_links_timeout(srv):
+    """A starved leader of 32 peers processed its frames seconds after they came and
+    dropped live members ("silent 6.7 s, allowed 6.0 s"): how late beats reach us
+    (beyond the fastest lately) is allowed on top of the timeout."""
+    a, b = await connected_pair(srv, **FAST_HB)
+    await asyncio.sleep(0.5)  # beats on time: the baseline
+    link = a._links[b.self_id]
+    # Beats sent 1.5 s before they are processed, as from behind a backlog.
+    link._heartbeat(wire.Heartbeat(t=time.time() - 1.5))
+    assert link.late == pytest.approx(1.5, abs=0.3)
+    b.drop_outgoing = lambda peer, msg: True  # then b goes silent, answers included
+    # silent 1.6 s: twice the timeout, within timeout + what beats were late
+    assert await first_down(a, within=1.6) is None
+    e = await until(a, lambda e: isinstance(e, PeerDown), timeout=3.0)  # a dead one goes
+    assert e.peer == b.self_id and "heartbeat timeout" in e.reason
+
+
+def test_beat_delay_is_the_lateness_beyond_the_fastest_lately() -> None:
+    d = BeatDelay(window=10.0)
+    assert d.record(0.0, 100.2) == 0.0  # the clocks' offset (100 s here) is no delay
+    assert d.record(1.0, 100.1) == 0.0
+    assert d.record(2.0, 103.1) == pytest.approx(3.0)  # queued 3 s
+    assert d.record(20.0, 50.0) == 0.0  # a clock step: the window forgets the old ones
+    assert d.record(21.0, 50.5) == pytest.approx(0.5)
+    assert link_timeout(5.0, None, 0.0, 2.0) == 7.0
+    assert link_timeout(5.0, None, 1.0, 600.0) == 36.0  # capped: a dead peer still goes
 
 
 def test_link_timeout_fits_round_trips_and_our_own_stalls() -> None:
