@@ -26,6 +26,15 @@ links to live peers close ("Consent to send expired"). Every authenticated frame
 proves the peer consents, and the mesh's heartbeats, which fit the measured round trips
 and stalls, drop a peer that is really gone within 30 s.
 
+:func:`patient_retransmissions` raises the least time aiortc's SCTP waits for an
+acknowledgement before it retransmits (``rtcsctptransport.SCTP_RTO_MIN``, 1 s, RFC
+9260's value) to :data:`RETRANSMIT_AFTER_S`. A Python peer of a big group on a busy CPU
+processes what it receives seconds late, so its acknowledgements come late; at 1 s its
+senders timed out hundreds of times a minute, each time resending all data in flight
+with their window cut to one packet, which loaded every peer more (a 32-peer start: 920
+timeouts, links silent for 7 s). Losses a later packet reveals are still resent at once
+(fast retransmit); only a loss at the tail of a burst waits the longer time.
+
 :func:`quiet_sends_after_close` keeps aiortc's own loose ends off the user's screen: its
 SCTP association retransmits from tasks nobody awaits, and one that fires after its
 connection closed fails with ``ConnectionError``, which asyncio would print as "Task
@@ -49,12 +58,14 @@ from aiortc import (
     RTCIceTransportPolicy,
     RTCPeerConnection,
     RTCSessionDescription,
+    rtcsctptransport,
 )
 
 from daisyweb.net.ice import ENV_VAR, IceServer, IceSettings, hosts_from_env
 
-__all__ = ["CONSENT_CHECKS_MISSED", "SOCKET_BUFFER_BYTES", "TRANSPORT",
-           "enlarge_socket_buffers", "quiet_sends_after_close", "restrict_host_candidates",
+__all__ = ["CONSENT_CHECKS_MISSED", "RETRANSMIT_AFTER_S", "SOCKET_BUFFER_BYTES", "TRANSPORT",
+           "enlarge_socket_buffers", "patient_retransmissions", "quiet_sends_after_close",
+           "restrict_host_candidates",
            "rtc_configuration",
            "tolerate_missed_consent_checks", "unrestrict"]
 
@@ -69,6 +80,9 @@ SOCKET_BUFFER_BYTES = 4 << 20
 
 # Consent checks missed in a row before aioice closes a connection: about 2 minutes.
 CONSENT_CHECKS_MISSED = 24
+
+# The least SCTP retransmission timeout: RFC 9260's initial one (its minimum is 1 s).
+RETRANSMIT_AFTER_S = 3.0
 
 
 def _restricted_get_host_addresses(use_ipv4: bool, use_ipv6: bool) -> list[str]:
@@ -118,6 +132,12 @@ def tolerate_missed_consent_checks() -> None:
     aioice.ice.CONSENT_FAILURES = max(aioice.ice.CONSENT_FAILURES, CONSENT_CHECKS_MISSED)
 
 
+def patient_retransmissions() -> None:
+    """aiortc's SCTP waits at least :data:`RETRANSMIT_AFTER_S` for an acknowledgement
+    before it retransmits (process-wide, idempotent; read at each RTO update)."""
+    rtcsctptransport.SCTP_RTO_MIN = max(rtcsctptransport.SCTP_RTO_MIN, RETRANSMIT_AFTER_S)
+
+
 def _from_aiortc_after_close(context: dict[str, Any]) -> bool:
     task = context.get("future")
     coro = task.get_coro() if isinstance(task, asyncio.Task) else None
@@ -163,6 +183,7 @@ class AiortcTransport:
     def prepare(self, settings: IceSettings) -> None:
         enlarge_socket_buffers()
         tolerate_missed_consent_checks()
+        patient_retransmissions()
         quiet_sends_after_close(asyncio.get_running_loop())
         if settings.hosts:
             restrict_host_candidates(settings.hosts)

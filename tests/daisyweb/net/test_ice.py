@@ -163,3 +163,31 @@ async def test_aiortc_sends_after_close_stay_off_the_screen(caplog) -> None:
         await pc.close()
         await other.close()
         ice_aiortc.unrestrict()
+
+
+async def test_sctp_waits_long_enough_for_a_busy_peers_acknowledgement() -> None:
+    """At aiortc's 1 s least retransmission timeout, peers of a 32-peer start that
+    processed what they received seconds late made their senders resend everything in
+    flight hundreds of times a minute; connections made after prepare() wait longer."""
+    settings = ice.IceSettings(hosts=("127.0.0.1",))
+    ice_aiortc.TRANSPORT.prepare(settings)
+    pc, other = (ice_aiortc.TRANSPORT.peer_connection(settings) for _ in range(2))
+    try:
+        opened, got = asyncio.Event(), asyncio.Event()
+        channel = pc.createDataChannel("x")
+        channel.on("open", opened.set)
+        other.on("datachannel", lambda ch: ch.on("message", lambda m: got.set()))
+        await pc.setLocalDescription(await pc.createOffer())
+        await other.setRemoteDescription(pc.localDescription)
+        await other.setLocalDescription(await other.createAnswer())
+        await pc.setRemoteDescription(other.localDescription)
+        await asyncio.wait_for(opened.wait(), 10)
+        channel.send(b"x" * 100_000)  # acknowledged in milliseconds on loopback
+        await asyncio.wait_for(got.wait(), 10)
+        await asyncio.sleep(0.2)
+        # aiortc keeps the timeout on its SCTP transport (no public accessor)
+        assert pc.sctp._rto >= ice_aiortc.RETRANSMIT_AFTER_S
+    finally:
+        await pc.close()
+        await other.close()
+        ice_aiortc.unrestrict()
