@@ -37,13 +37,14 @@ def records(path: Path) -> list[dict]:
 
 
 @contextlib.contextmanager
-def signaling_server(cwd: Path) -> Iterator[str]:
-    """A ``daisyweb-signal`` on a free 127.0.0.1 port with the built-in corpus; its URL."""
+def signaling_server(cwd: Path, log: Path | None = None) -> Iterator[str]:
+    """A ``daisyweb-signal`` on a free 127.0.0.1 port with the built-in corpus; its URL.
+    ``log``: where its output goes (who joined and left, when), else nowhere."""
     port = free_port()
+    out = log.open("ab") if log is not None else subprocess.DEVNULL
     server = subprocess.Popen(
         [sys.executable, "-m", "signaling.cli", "--host", "127.0.0.1", "--port", str(port),
-         "--data", "builtin"], cwd=cwd, env=ENV, stdout=subprocess.DEVNULL,
-        stderr=subprocess.DEVNULL)
+         "--data", "builtin"], cwd=cwd, env=ENV, stdout=out, stderr=subprocess.STDOUT)
     try:
         deadline = time.monotonic() + 30
         while True:
@@ -58,6 +59,8 @@ def signaling_server(cwd: Path) -> Iterator[str]:
     finally:
         server.terminate()
         server.wait(timeout=10)
+        if log is not None:
+            out.close()  # type: ignore[union-attr]
 
 
 def peer_command(server: str, room: str, module: str = "daisyweb.cli.peer") -> list[str]:

@@ -925,7 +925,7 @@ def main(argv: Sequence[str] | None = None) -> ChurnReport:
     previous = signal.signal(signal.SIGTERM, terminated)
     if args.startup_only:
         try:
-            with signaling_server(ROOT) as server:
+            with signaling_server(ROOT, out / "signal.log") as server:
                 startup = run_startups(server, args, out)
         finally:
             signal.signal(signal.SIGTERM, previous)
@@ -938,7 +938,7 @@ def main(argv: Sequence[str] | None = None) -> ChurnReport:
             write_section("churn-startup", "\n".join(md))
         return ChurnReport(None, None, [], {}, [], [], startup, "\n".join(md))
     try:
-        with signaling_server(ROOT) as server:
+        with signaling_server(ROOT, out / "signal.log") as server:
             base = None
             if args.baseline_minutes > 0:
                 print(f"fault-free run: {args.peers} peers, {args.baseline_minutes:g} min",
