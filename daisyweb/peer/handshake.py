@@ -142,6 +142,12 @@ async def wait_for_peers(queue: asyncio.Queue[Item], on_up: Callable[[str], None
             if isinstance(ev, PeerUp):
                 on_up(ev.peer)
                 ups.append(ev.peer)
+                # The new link supersedes a drop held from before it: replayed once the
+                # machine starts, that drop would mark a connected peer down for good
+                # (in a 32-peer start a follower whose first link timed out connecting
+                # was never offered its snapshot again).
+                held[:] = [h for h in held if not (isinstance(h, MeshItem) and isinstance(
+                    h.event, PeerDown) and h.event.peer == ev.peer)]
                 continue
             if isinstance(ev, PeerDown) and ev.peer in ups:
                 ups.remove(ev.peer)

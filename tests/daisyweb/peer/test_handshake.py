@@ -9,8 +9,13 @@ import pytest
 
 from daisyweb.checkpoints.checkpoint import checkpoint_to_bytes
 from daisyweb.model import ModelConfig
-from daisyweb.net import PeerDown, Received
-from daisyweb.peer.handshake import agreed_leader, await_snapshot, tokenizer_info
+from daisyweb.net import PeerDown, PeerUp, Received
+from daisyweb.peer.handshake import (
+    agreed_leader,
+    await_snapshot,
+    tokenizer_info,
+    wait_for_peers,
+)
 from daisyweb.peer.items import MeshItem
 from daisyweb.peer.options import PeerError
 from daisyweb.protocol import wire
@@ -162,3 +167,28 @@ def test_resume_refuses_what_contradicts_the_checkpoint(tmp_path, kw, says) -> N
     assert exc.value.code == 2 and says in str(exc.value)
     assert str(exc.value).startswith(f"--resume {path}: ")
     assert "\n" not in str(exc.value)
+
+
+async def test_a_link_that_came_back_while_the_leader_waited_is_not_dropped_later() -> None:
+    """The leader waits for --wait-peers; a follower's first link closes and its second
+    comes up meanwhile. The drop must not be replayed once the machine starts: the peer
+    would count as down while connected, and never be offered its snapshot."""
+
+    async def wait(events: list, peers: int) -> tuple[list[str], list]:
+        queue: asyncio.Queue = asyncio.Queue()
+        for ev in events:
+            queue.put_nowait(MeshItem(ev))
+        return await wait_for_peers(queue, lambda p: None, set(), peers, 5.0)
+
+    def hello(p: str) -> Received:
+        return Received(p, wire.Hello(p, 1))
+
+    ups, held = await wait([PeerUp("a"), PeerDown("a", "channel closed"), PeerUp("b"),
+                            PeerUp("a"), hello("b"), hello("a")], 3)
+    assert sorted(ups) == ["a", "b"]
+    assert not [h for h in held if isinstance(h.event, PeerDown)], held
+    # a drop after the peer's last up is a real one: it stays
+    ups, held = await wait([PeerUp("c"), PeerDown("c", "heartbeat timeout"), PeerUp("d"),
+                            hello("d")], 2)
+    assert ups == ["d"]
+    assert [h.event.peer for h in held if isinstance(h.event, PeerDown)] == ["c"]
