@@ -18,8 +18,15 @@ import numpy as np
 from daisyweb.data import BatchSampler, builtin_tokens, default_tokenizer
 from daisyweb.model import ModelConfig
 from daisyweb.protocol.averaging import average_parts_in_roster_order
-from daisyweb.protocol.codec import codec_by_name
+from daisyweb.protocol.codec import Codec, codec_by_name
 from daisyweb.protocol.influence import clip_factors, squared_norm
+from daisyweb.protocol.owners import (
+    MeanEncoder,
+    assemble_mean,
+    part_bounds,
+    part_payload,
+    reduce_part,
+)
 from daisyweb.training.config import DEFAULTS, RunConfig
 from daisyweb.training.evaluate import heldout_batches, heldout_loss
 from daisyweb.training.rounds import LockstepTrainer, RoundTrainer, round_count
@@ -35,6 +42,8 @@ class SimResult:
     steps: int  # inner steps per peer
     curve: list[tuple[int, float]] = field(default_factory=list)  # (inner step, held-out)
     bytes_per_peer: int = 0  # payload bytes each peer sent to each other member
+    exchange: str = "all"  # "all": all-to-all; "owner": each part reduced by its owner
+    sent_by_first: int = 0  # payload bytes the first peer sent in all, to everyone
     compute_s: float = 0.0
     clipped: int = 0  # contributions the bounded-influence clip scaled down
 
@@ -53,9 +62,15 @@ def simulate(peers: int, steps: int, sync_every: int = 1, codec: str = "f32",
              outer_lr: float = 1.0, eval_every: int = 50, batch: int = 8,
              lr: float = float(DEFAULTS["lr"]), seed: int = 0, overlap: int = 0,
              clip: bool = True,
-             attack: Callable[[int, np.ndarray], np.ndarray] | None = None) -> SimResult:
+             attack: Callable[[int, np.ndarray], np.ndarray] | None = None,
+             exchange: str = "all") -> SimResult:
     """``clip``: bound each contribution as the members do (``protocol.influence``);
-    ``attack(round, delta)``: what the last peer sends instead of its delta."""
+    ``attack(round, delta)``: what the last peer sends instead of its delta;
+    ``exchange``: ``"all"`` (every member averages every contribution) or ``"owner"``
+    (``protocol.owners``: each part's mean reduced by its owner, clipped per part, and
+    encoded once more with the owner's error feedback)."""
+    if exchange not in ("all", "owner"):
+        raise ValueError(f"exchange must be 'all' or 'owner', got {exchange!r}")
     tok = default_tokenizer()
     train = np.asarray(builtin_tokens())  # the training part: the held-out 5% is not in it
     run = RunConfig(model=ModelConfig(vocab=tok.vocab_size), batch=batch, steps=steps,
@@ -71,7 +86,8 @@ def simulate(peers: int, steps: int, sync_every: int = 1, codec: str = "f32",
                        else RoundTrainer(state, sync_every, outer_lr))
     encoders = {p: codec_by_name(codec).encoder(trainers[p].size) for p in names}
     decoder = codec_by_name(codec)
-    res = SimResult(peers, sync_every, codec, outer_lr, steps)
+    res = SimResult(peers, sync_every, codec, outer_lr, steps, exchange=exchange)
+    mean_encoders = {p: MeanEncoder(decoder, trainers[p].size) for p in names}
     lead = trainers[names[0]]
     res.curve.append((0, evaluate(lead.state.params)))
     rounds = round_count(steps, sync_every)
@@ -98,13 +114,17 @@ def simulate(peers: int, steps: int, sync_every: int = 1, codec: str = "f32",
             payloads.append(encoders[p].encode(vector))
         res.bytes_per_peer += len(payloads[0])
         size = lead.size
-        factors: tuple[np.float32 | None, ...] = ()
-        if clip:
-            factors = clip_factors([squared_norm(decoder.decode_parts(b, size))
-                                    for b in payloads])
-            res.clipped += sum(f is not None for f in factors)
-        mean = average_parts_in_roster_order([decoder.decode_parts(b, size) for b in payloads],
-                                             size, (), factors)
+        if exchange == "owner":
+            mean = _owner_mean(decoder, payloads, size, names, mean_encoders, clip, res)
+        else:
+            res.sent_by_first += len(payloads[0]) * (peers - 1)
+            factors: tuple[np.float32 | None, ...] = ()
+            if clip:
+                factors = clip_factors([squared_norm(decoder.decode_parts(b, size))
+                                        for b in payloads])
+                res.clipped += sum(f is not None for f in factors)
+            mean = average_parts_in_roster_order(
+                [decoder.decode_parts(b, size) for b in payloads], size, (), factors)
         for p in names:
             trainers[p].apply(mean)
         hashes = {trainers[p].weight_hash() for p in names}
@@ -116,6 +136,22 @@ def simulate(peers: int, steps: int, sync_every: int = 1, codec: str = "f32",
             next_eval = (done // eval_every + 1) * eval_every
     res.compute_s = time.perf_counter() - t0
     return res
+
+
+def _owner_mean(codec: Codec, payloads: list[bytes], size: int, names: list[str],
+                encoders: dict[str, MeanEncoder], clip: bool, res: SimResult) -> np.ndarray:
+    """The mean every member assembles from the owners' bytes (``protocol.owners``)."""
+    bounds = part_bounds(size, len(names))
+    sent = []
+    for j, where in enumerate(bounds):
+        parts = [part_payload(codec, b, size, where) for b in payloads]
+        mean, clipped = reduce_part(codec, parts, where.stop - where.start, (), clip)
+        res.clipped += len(clipped)
+        sent.append(encoders[names[j]].encode(where, mean))
+        if j != 0:
+            res.sent_by_first += len(parts[0])  # the first peer's part to owner j
+    res.sent_by_first += len(sent[0]) * (len(names) - 1)  # its mean part to everyone
+    return assemble_mean(codec, sent, bounds, size)
 
 
 if __name__ == "__main__":
@@ -132,11 +168,14 @@ if __name__ == "__main__":
     ap.add_argument("--overlap", type=int, default=0)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--eval-every", type=int, default=50)
+    ap.add_argument("--exchange", choices=("all", "owner"), default="all")
     a = ap.parse_args()
     r = simulate(a.peers, a.steps, a.sync_every, a.codec, a.outer_lr, lr=a.lr,
-                 overlap=a.overlap, seed=a.seed, eval_every=a.eval_every)
+                 overlap=a.overlap, seed=a.seed, eval_every=a.eval_every,
+                 exchange=a.exchange)
     print(json.dumps({"peers": r.peers, "H": r.sync_every, "codec": r.codec,
                       "outer_lr": r.outer_lr, "lr": a.lr, "steps": r.steps,
                       "overlap": a.overlap, "seed": a.seed,
-                      "curve": r.curve, "bytes": r.bytes_per_peer,
+                      "exchange": r.exchange, "curve": r.curve, "bytes": r.bytes_per_peer,
+                      "sent_by_first": r.sent_by_first,
                       "s": round(r.compute_s, 1)}))
