@@ -689,6 +689,7 @@ async def test_a_silenced_peer_answers_no_heartbeat(srv) -> None:
 def test_answers_out_of_range_are_no_sample() -> None:
     link = linkmod.Link.__new__(linkmod.Link)  # only the heartbeat bookkeeping, no connection
     link.rtt, link.drop_heartbeat, link.peer = None, None, "p"
+    link.delay, link.late = BeatDelay(), 0.0
     link._heartbeat(wire.Heartbeat(t=1.0, echo=time.time() - 0.02))
     sample = link.rtt
     assert sample is not None and 0.0 <= sample < 1.0
