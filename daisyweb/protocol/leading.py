@@ -153,10 +153,10 @@ class Leader:
             # takes (measured per snapshot; the snapshots of one boundary share the
             # leader's uplink, so as many times longer); a later one finds the group
             # gone on and asks again (rejoins).
-            batch = len(m.members.offered_at(b))
-            wait = max(SNAPSHOT_WAIT_FLOOR_S, 3.0 * self.confirm_s) * max(batch, 1)
+            offered = m.members.offered_at(b)
+            wait = max(SNAPSHOT_WAIT_FLOOR_S, 3.0 * self.confirm_s) * max(len(offered), 1)
             if any(p not in have and now - m.members.pending.get(p, now) < wait
-                   for p in m.members.offered_at(b)):
+                   for p in offered):
                 return
         offered = m.members.offered_at(b)
         joiners = [p for p in offered if p in have]

@@ -199,7 +199,7 @@ class StepMachine:
         roster we knew, less the members that said they left (they declare no leader any
         more, so two majorities still overlap): leadership and reachability need a strict
         majority of it."""
-        roster = self.ledger.committed.get(self.boundary - 1) or self._last_roster
+        roster = self.ledger.committed_roster(self.boundary - 1) or self._last_roster
         return tuple(p for p in roster if p not in self._left)
 
     @property
