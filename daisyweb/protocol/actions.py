@@ -86,6 +86,7 @@ class Commit:
     rollback: bool = False
     shares: tuple[int, ...] = ()  # sequences per roster member (empty: equal batches)
     clipped: tuple[str, ...] = ()  # members whose contribution was scaled to the bound
+    owners: tuple[str, ...] = ()  # who reduced each part (the owner exchange; else empty)
 
 
 @dataclass(frozen=True)

@@ -113,27 +113,31 @@ class HashCheck:
                          msg.roster_hash, msg.speed, msg.digests)
 
     def fork(self, b: int, peer: str, roster: tuple[str, ...],
-             theirs: Hashes | None) -> str | None:
+             theirs: Hashes | None, owners: tuple[str, ...] = ()) -> str | None:
         """Why to stop at our boundary ``b``: ``peer``, a member of ``roster`` (the one
         that produced ``b``), has other weights than ours (``theirs``: its hashes made
         with the same roster, if any). None if nothing is wrong or nothing is known yet;
-        joiners and excluded peers are the leader's call."""
+        joiners and excluded peers are the leader's call. ``owners``: the parts' owners
+        of the owner exchange, whose means the digests are of."""
         own = self.book.own.get(b)
         if own is None or peer == self.self_id or peer not in roster:
             return None
         if theirs is None or theirs[0] == own[0]:
             return None
-        return self.equivocation(b, peer, roster) or (
+        return self.equivocation(b, peer, owners or roster, bool(owners)) or (
             f"weight hash mismatch at {self.unit} {b}: {peer} has {theirs[0][:16]}, "
             f"{self.self_id} has {own[0][:16]}")
 
-    def equivocation(self, b: int, peer: str, roster: tuple[str, ...]) -> str | None:
+    def equivocation(self, b: int, peer: str, roster: tuple[str, ...],
+                     means: bool = False) -> str | None:
         """The members of ``roster`` (the one that produced ``b``) whose contributions we
         and ``peer`` averaged differ (by the digests both published), named: they sent
-        two members different bytes."""
-        liars = self.book.equivocators(b, roster, self.self_id, peer)
+        two members different bytes. With ``means`` the digests are of the means of the
+        parts of the owner exchange and ``roster`` names each part's owner."""
+        liars = list(dict.fromkeys(self.book.equivocators(b, roster, self.self_id, peer)))
         if not liars:
             return None
-        return (f"{', '.join(liars)} sent different contributions of {self.unit} {b - 1} "
+        what = "means of parts" if means else "contributions"
+        return (f"{', '.join(liars)} sent different {what} of {self.unit} {b - 1} "
                 f"to {self.self_id} and {peer} (equivocation): weights differ at "
                 f"{self.unit} {b}")

@@ -42,6 +42,7 @@ from daisyweb.protocol.capacity import bounded_speeds, capacity_shares
 from daisyweb.protocol.deadline import Deadline
 from daisyweb.protocol.judge import HaltRun, judge
 from daisyweb.protocol.ledger import InFlight
+from daisyweb.protocol.owner_exchange import hand_over
 
 if TYPE_CHECKING:
     from daisyweb.protocol.sync import StepMachine
@@ -75,17 +76,32 @@ class Leader:
         """Name ``step``'s roster again without ``dead`` (left, or late: ``why``)."""
         m = self.machine
         st = m.ledger.get(step)
-        if st is None or st.roster is None or dead not in st.roster or dead in st.payloads:
+        if st is None or st.roster is None or dead not in st.roster or (
+                not st.owners and dead in st.payloads):
             return
         members = tuple(p for p in st.roster if p != dead)
         if not members:
             return
         shares = _kept_shares(st, members)
+        owners = hand_over(st.owners, dead, members) if st.owners else ()
         out.append(Excluded(dead, why or f"{dead} left before its contribution of "
                                          f"{m.unit} {step} arrived"))
-        roster = wire.Roster(step, members, shares, m.term)
+        roster = wire.Roster(step, members, shares, m.term, owners)
         out.append(Send(m.members.others(members), roster))
-        m.set_roster(out, step, members, now, shares)
+        m.set_roster(out, step, members, now, shares, owners)
+
+    def waits_for(self, st: InFlight, peer: str) -> bool:
+        """The step in flight still needs something from ``peer`` that only it has: its
+        contribution (all-to-all), or its part of ours or its parts' means (owners)."""
+        if st.owners:
+            return self.machine.owned.waits_for(st, peer)
+        return peer not in st.payloads
+
+    def lost(self, out: list[Action], step: int, peer: str, now: float) -> None:
+        """``peer`` left: amended away from ``step`` if the step still waits for it."""
+        st = self.machine.ledger.get(step)
+        if st is not None and st.roster is not None and self.waits_for(st, peer):
+            self.amend(out, step, peer, now)
 
     def enforce_deadline(self, out: list[Action], now: float) -> None:
         """Leader: leave out of the round in flight each live member whose contribution
@@ -98,7 +114,7 @@ class Leader:
         limit = self.deadline.seconds()
         if now - st.named_at < limit:
             return
-        for p in [p for p in st.roster if p not in st.payloads and m.members.alive(p)]:
+        for p in [p for p in st.roster if self.waits_for(st, p) and m.members.alive(p)]:
             if p == m.self_id:
                 continue  # our own comes when it comes: we are the one who waits
             self.amend(out, b, p, now, f"{p} missed the deadline of {m.unit} {b} "
@@ -128,18 +144,22 @@ class Leader:
             # Step in flight: a member that died before sending is amended away.
             if st is not None and st.roster is not None:
                 for p in st.roster:
-                    if not m.members.alive(p) and p not in st.payloads:
+                    if not m.members.alive(p) and self.waits_for(st, p):
                         self.amend(out, b, p, now)
                         return
             return
         if st is not None and st.roster is not None:
             # We took over mid-step: re-issue the roster we were working on.
             self.published.add(b)
-            members = tuple(p for p in st.roster if m.members.alive(p) or p in st.payloads)
+            members = tuple(p for p in st.roster
+                            if m.members.alive(p) or not self.waits_for(st, p))
             shares = _kept_shares(st, members)
-            roster = wire.Roster(b, members, shares, m.term)
+            owners = st.owners
+            for gone in set(st.roster) - set(members):
+                owners = hand_over(owners, gone, members) if owners else ()
+            roster = wire.Roster(b, members, shares, m.term, owners)
             out.append(Send(m.members.others(members), roster))
-            m.set_roster(out, b, members, now, shares)
+            m.set_roster(out, b, members, now, shares, owners)
             self.lead(out, b, now)
             return
         have = m.valid_hashes(b)
@@ -177,8 +197,10 @@ class Leader:
             previous = last if m.ledger.committed.get(b - 1) == members else ()
             speeds = bounded_speeds(m.hash_check.book.speeds.get(b, {}), self.observed)
             shares = capacity_shares(members, speeds, m.batch, previous)
-        out.append(Send(m.members.others(members), wire.Roster(b, members, shares, m.term)))
-        m.set_roster(out, b, members, now, shares)
+        owners = m.owners_for(members)
+        out.append(Send(m.members.others(members),
+                        wire.Roster(b, members, shares, m.term, owners)))
+        m.set_roster(out, b, members, now, shares, owners)
 
     def _judge(
         self,
@@ -203,10 +225,11 @@ class Leader:
         """A fork at ``b`` that a member's two different contributions explain: why."""
         m = self.machine
         own = have[m.self_id][0]
+        owners = m.ledger.committed_owners.get(b - 1, ())
         for p in expected:
-            roster = m.ledger.committed_roster(b - 1)
-            reason = (m.hash_check.equivocation(b, p, roster) if have[p][0] != own
-                      else None)
+            roster = owners or m.ledger.committed_roster(b - 1)
+            reason = (m.hash_check.equivocation(b, p, roster, bool(owners))
+                      if have[p][0] != own else None)
             if reason is not None:
                 return reason
         return None

@@ -46,6 +46,30 @@ class InFlight:
     arrived: dict[str, float] = field(default_factory=dict)  # sender -> first direct arrival
     requested: dict[str, float] = field(default_factory=dict)
     computing: bool = False
+    # The owner exchange (``protocol.owners``; empty ``owners``: all-to-all). ``payloads``
+    # then holds this member's own whole contribution only (kept to resend its parts).
+    owners: tuple[str, ...] = ()  # who reduces each part, in part order
+    parts: dict[int, dict[str, bytes]] = field(default_factory=dict)  # part we reduce ->
+    # sender -> its bytes of it
+    early: dict[tuple[str, int, int], bytes] = field(default_factory=dict)  # (sender,
+    # parts, part) -> bytes, unchecked: a part sent before the roster (or the amendment,
+    # or the new cut) that makes it ours reached us
+    means: dict[tuple[int, str], tuple[str, bytes]] = field(default_factory=dict)  # (part,
+    # owner) -> (roster hash it was reduced over, bytes): the latest of each
+    reduced: dict[int, str] = field(default_factory=dict)  # part -> roster hash of the
+    # mean of it we sent
+    asked_means: dict[int, float] = field(default_factory=dict)  # part -> when asked
+
+    def mean_of(self, part: int, roster_hash: str) -> bytes | None:
+        """The mean of ``part`` from its owner, reduced over the roster of ``roster_hash``."""
+        if not 0 <= part < len(self.owners):
+            return None
+        got = self.means.get((part, self.owners[part]))
+        return got[1] if got is not None and got[0] == roster_hash else None
+
+    def reduces(self, self_id: str) -> list[int]:
+        """The parts ``self_id`` reduces at this step."""
+        return [j for j, o in enumerate(self.owners) if o == self_id]
 
 
 class StepLedger:
@@ -55,19 +79,24 @@ class StepLedger:
         self.steps: dict[int, InFlight] = {}
         self.committed: dict[int, tuple[str, ...]] = {}  # step -> roster used
         self.committed_shares: dict[int, tuple[int, ...]] = {}  # step -> its shares
-        # (from, step) -> (members, shares, term)
-        self.rosters_seen: dict[tuple[str, int], tuple[tuple[str, ...], tuple[int, ...], int]] = {}
+        self.committed_owners: dict[int, tuple[str, ...]] = {}  # step -> its parts' owners
+        # (from, step) -> (members, shares, term, owners)
+        self.rosters_seen: dict[tuple[str, int], tuple[tuple[str, ...], tuple[int, ...], int,
+                                                       tuple[str, ...]]] = {}
 
-    def commit(self, step: int, roster: tuple[str, ...], shares: tuple[int, ...]) -> None:
-        """``step`` was committed with ``roster`` (and its ``shares``)."""
+    def commit(self, step: int, roster: tuple[str, ...], shares: tuple[int, ...],
+               owners: tuple[str, ...] = ()) -> None:
+        """``step`` was committed with ``roster`` (and its ``shares`` and ``owners``)."""
         self.committed[step] = roster
         self.committed_shares[step] = shares
+        self.committed_owners[step] = owners
 
     def uncommit(self, step: int) -> None:
         """``step``'s commit is undone (a rollback): its roster and the next step's record
         go; its own record stays, to be committed again."""
         self.committed.pop(step, None)
         self.committed_shares.pop(step, None)
+        self.committed_owners.pop(step, None)
         self.steps.pop(step + 1, None)
 
     def committed_roster(self, step: int) -> tuple[str, ...]:
@@ -75,10 +104,10 @@ class StepLedger:
         return self.committed.get(step, ())
 
     def saw_roster(self, sender: str, step: int, members: tuple[str, ...],
-                   shares: tuple[int, ...], term: int) -> None:
+                   shares: tuple[int, ...], term: int, owners: tuple[str, ...] = ()) -> None:
         """``sender`` named ``members`` for ``step`` in ``term`` (a leader we may follow
         later: its roster is taken then)."""
-        self.rosters_seen[(sender, step)] = (members, shares, term)
+        self.rosters_seen[(sender, step)] = (members, shares, term, owners)
 
     def get(self, step: int) -> InFlight | None:
         return self.steps.get(step)
@@ -103,7 +132,8 @@ class StepLedger:
     def digest_before(self, b: int) -> str:
         """``wire.roster_digest`` of the roster that produced boundary ``b``."""
         return wire.roster_digest(self.committed.get(b - 1),
-                                  self.committed_shares.get(b - 1, ()))
+                                  self.committed_shares.get(b - 1, ()),
+                                  self.committed_owners.get(b - 1, ()))
 
     def forget_before(self, step: int, history: int, keep_payloads: bool) -> None:
         """After committing ``step``: keep ``history`` steps of rosters and payloads
@@ -111,12 +141,16 @@ class StepLedger:
         for old in [k for k in self.committed if k < step - history]:
             del self.committed[old]
             self.committed_shares.pop(old, None)
+            self.committed_owners.pop(old, None)
         for old in [k for k in self.steps if k < step - history + 1]:
             del self.steps[old]
         for old in [k for k in self.archived if k < step - history + 1]:
             del self.archived[old]
         for key in [k for k in self.rosters_seen if k[1] < step]:
             del self.rosters_seen[key]
+        for k, s in self.steps.items():
+            if k < step:  # the owner exchange's parts and means: no repair reads them
+                s.parts, s.early, s.means = {}, {}, {}
         if not keep_payloads:
             # Followers never resend; keep only the step for a possible rollback.
             for k, s in self.steps.items():

@@ -91,21 +91,61 @@ class MeanEncoder:
     """An owner's encoder of the means of the parts it owns: the codec with error
     feedback over the whole vector, of which each round moves the owned part's slice
     (parts move when the roster changes; the residual of a part a member no longer owns
-    waits until it owns it again). Purely local, as a contributor's error feedback is."""
+    waits until it owns it again). Purely local, as a contributor's error feedback is.
+
+    A step machine encodes with :meth:`offer` and moves the residual only when the step
+    commits (:meth:`commit`): a mean reduced again over an amended roster starts from the
+    same residual, and a commit rolled back gives its residual back (:meth:`rollback`)."""
 
     def __init__(self, codec: Codec, size: int) -> None:
         self.codec = codec
         self.feedback = ErrorFeedback(size)
+        self._offered: dict[tuple[int, int], tuple[slice, np.ndarray]] = {}
+        self._undo: tuple[int, list[tuple[slice, np.ndarray]]] | None = None
 
     def encode(self, where: slice, mean: np.ndarray) -> bytes:
-        """The bytes of part ``where``'s mean (``mean``: float32, its values)."""
+        """The bytes of part ``where``'s mean (``mean``: float32, its values); the
+        residual moves at once."""
+        payload, residual = self._encode(where, mean)
+        if residual is not None:
+            self.feedback.residual[where] = residual
+        return payload
+
+    def offer(self, step: int, where: slice, mean: np.ndarray) -> bytes:
+        """:meth:`encode` for ``step``, the residual kept aside until :meth:`commit`."""
+        payload, residual = self._encode(where, mean)
+        if residual is not None:
+            self._offered[(step, where.start)] = (where, residual)
+        return payload
+
+    def commit(self, step: int, starts: Sequence[int]) -> None:
+        """``step`` committed the means offered for the parts starting at ``starts``."""
+        undo = []
+        for start in starts:
+            got = self._offered.get((step, start))
+            if got is not None:
+                where, residual = got
+                undo.append((where, self.feedback.residual[where].copy()))
+                self.feedback.residual[where] = residual
+        # the step's own offers stay: a rollback may commit them again
+        self._offered = {k: v for k, v in self._offered.items() if k[0] >= step}
+        self._undo = (step, undo)
+
+    def rollback(self, step: int) -> None:
+        """``step``'s commit is undone: its residuals as they were before it."""
+        if self._undo is None or self._undo[0] != step:
+            return
+        for where, residual in self._undo[1]:
+            self.feedback.residual[where] = residual
+        self._undo = None
+
+    def _encode(self, where: slice, mean: np.ndarray) -> tuple[bytes, np.ndarray | None]:
         if self.codec.name == "f32":
-            return self.codec.encode(mean)  # lossless: nothing to feed back
+            return self.codec.encode(mean), None  # lossless: nothing to feed back
         part = ErrorFeedback(where.stop - where.start)
         part.residual = self.feedback.residual[where].copy()
         payload, _ = part.encode_decoded(self.codec, mean)
-        self.feedback.residual[where] = part.residual
-        return payload
+        return payload, part.residual
 
 
 def assemble_mean(codec: Codec, payloads: Sequence[bytes], bounds: Sequence[slice],

@@ -76,6 +76,7 @@ from daisyweb.protocol.influence import clip_factors, squared_norm
 from daisyweb.protocol.leading import Leader
 from daisyweb.protocol.ledger import Archive, InFlight, StepLedger
 from daisyweb.protocol.membership import Membership, successor
+from daisyweb.protocol.owner_exchange import EXCHANGES, OWNER_FROM, OwnerExchange
 
 __all__ = [
     "Replica",
@@ -137,6 +138,7 @@ class StepMachine:
         election_timeout: float = 10.0,
         unit: str = "step",
         inner_steps: int = 1,
+        exchange: str = "all",
     ) -> None:
         self.self_id = self_id
         self.unit = unit  # what one of our steps is, in the lines we write: step or round
@@ -155,6 +157,13 @@ class StepMachine:
         self.join_timeout = join_timeout
         self.history = history
         self.codec = codec
+        # How a roster this peer names exchanges contributions (``owner_exchange``): every
+        # member's whole to every other ("all"), each part reduced by its owner ("owner"),
+        # or the owner exchange from OWNER_FROM members on ("auto"). Members follow the
+        # roster they are sent, whatever their own setting.
+        if exchange not in EXCHANGES:
+            raise ValueError(f"exchange must be one of {', '.join(EXCHANGES)}, got {exchange!r}")
+        self.exchange = exchange
         # Capacity-weighted batches (``capacity``): the leader gives each member a share of
         # the roster's ``batch * len(roster)`` sequences by its reported speed; a follower
         # learns the mode from the rosters it is sent (and keeps it if it takes over).
@@ -168,6 +177,8 @@ class StepMachine:
         self.ledger = StepLedger(archive)
         self.hash_check = HashCheck(self_id, unit)
         self.leading = Leader(self)  # what only a leader does, and keeps
+        self.owned = OwnerExchange(self, getattr(codec, "codec", codec))
+        self._recommit: int | None = None  # a step rolled back, to be committed again
         self._losses: dict[int, float] = {}
         self._last_roster: tuple[str, ...] = tuple(self.members.participants)
         self._had_roster = False  # a follower knows the group's order only from a roster
@@ -223,6 +234,12 @@ class StepMachine:
     def roster(self, step: int) -> tuple[str, ...] | None:
         return self.ledger.roster(step)
 
+    def owners_for(self, members: tuple[str, ...]) -> tuple[str, ...]:
+        """The parts' owners of a new roster of ``members`` (empty: all-to-all)."""
+        owner = self.exchange == "owner" or (self.exchange == "auto"
+                                              and len(members) >= OWNER_FROM)
+        return members if owner and len(members) > 1 else ()
+
     # ------------------------------------------------------------------ events
     def start(self, now: float = 0.0) -> list[Action]:
         """The replica is ready (fresh, resumed or loaded from a snapshot)."""
@@ -249,9 +266,12 @@ class StepMachine:
             return out
         st.own_sent_at = now
         st.arrived.setdefault(self.self_id, now)
-        others = tuple(p for p in st.roster or () if p != self.self_id)
-        if others:
-            out.append(Send(others, wire.Contribution(step, self.self_id, payload)))
+        if st.owners:
+            self.owned.contribute(out, step, st)
+        else:
+            others = tuple(p for p in st.roster or () if p != self.self_id)
+            if others:
+                out.append(Send(others, wire.Contribution(step, self.self_id, payload)))
         self._progress(out, now)
         return out
 
@@ -271,10 +291,19 @@ class StepMachine:
             # boundary: a flood of future rosters must not grow the state.
             b = self.boundary
             if peer in self.members.participants and b - 1 <= msg.step <= b + ROSTER_WINDOW:
-                self.ledger.saw_roster(peer, msg.step, msg.members, msg.shares, msg.term)
+                self.ledger.saw_roster(peer, msg.step, msg.members, msg.shares, msg.term,
+                                       msg.owners)
             self._roster_from(out, peer, msg, now)
         elif isinstance(msg, wire.Contribution):
             self._on_contribution(out, peer, msg, now)
+        elif isinstance(msg, wire.OwnedPart):
+            self.owned.on_part(out, peer, msg, now)
+        elif isinstance(msg, wire.MeanPart):
+            self.owned.on_mean(out, peer, msg)
+        elif isinstance(msg, wire.PartRequest):
+            self.owned.on_part_request(out, peer, msg, now)
+        elif isinstance(msg, wire.MeanRequest):
+            self.owned.on_mean_request(out, peer, msg, now)
         elif isinstance(msg, wire.RepairRequest):
             self._on_repair_request(out, peer, msg, now)
         elif isinstance(msg, wire.Halt):
@@ -360,6 +389,9 @@ class StepMachine:
     def _request_repairs(self, out: list[Action], st: InFlight, now: float) -> None:
         """Ask for each roster member's contribution still missing (at most once per
         ``repair_after``)."""
+        if st.owners:
+            self.owned.request_repairs(out, st, now)
+            return
         for p in st.roster or ():
             if p in st.payloads:
                 continue
@@ -443,7 +475,8 @@ class StepMachine:
         roster = self.ledger.committed_roster(b - 1)
         if b != self.boundary or peer not in roster:
             return
-        reason = self.hash_check.fork(b, peer, roster, self.valid_hashes(b).get(peer))
+        reason = self.hash_check.fork(b, peer, roster, self.valid_hashes(b).get(peer),
+                                      self.ledger.committed_owners.get(b - 1, ()))
         if reason is not None:
             self.stop_run(out, b, reason, broadcast=True)
 
@@ -486,7 +519,7 @@ class StepMachine:
         if seen is not None and seen[2] == term:
             # The new leader's roster came before we saw the old one go.
             self.leadership.confirmed = True
-            self._on_roster(out, self.boundary, seen[0], now, seen[1])
+            self._on_roster(out, self.boundary, seen[0], now, seen[1], seen[3])
 
     def _lost(self, out: list[Action], peer: str, now: float) -> None:
         """``peer`` left (its links are down, or it rejoins): if it led, declare the
@@ -524,9 +557,7 @@ class StepMachine:
                 self.members.went_down(peer)
                 self._lost(out, peer, now)
                 if self.is_leader:
-                    st = self.ledger.get(self.boundary)
-                    if st is not None and st.roster is not None and peer not in st.payloads:
-                        self.leading.amend(out, self.boundary, peer, now)
+                    self.leading.lost(out, self.boundary, peer, now)
                     if peer not in self.members.excluded:
                         self.members.came_up(peer, now)  # a joiner from now on
             elif self.is_leader and self.members.alive(peer):
@@ -575,7 +606,7 @@ class StepMachine:
         if msg.term == lead.term and peer == lead.leader:
             if not lead.leading:
                 lead.confirmed = True
-                self._on_roster(out, msg.step, msg.members, now, msg.shares)
+                self._on_roster(out, msg.step, msg.members, now, msg.shares, msg.owners)
             return
         if msg.term == lead.term and lead.confirmed:
             other = self.self_id if lead.leading else lead.leader
@@ -589,7 +620,7 @@ class StepMachine:
         # candidate to it): follow it.
         self._follow(out, peer, msg.term, now)
         lead.confirmed = True
-        self._on_roster(out, msg.step, msg.members, now, msg.shares)
+        self._on_roster(out, msg.step, msg.members, now, msg.shares, msg.owners)
 
     def _on_hello(self, out: list[Action], peer: str, msg: wire.Hello) -> None:
         if msg.peer_id != peer or msg.version == self.version:
@@ -610,7 +641,7 @@ class StepMachine:
 
     def _on_roster(
         self, out: list[Action], step: int, members: tuple[str, ...], now: float,
-        shares: tuple[int, ...] = (),
+        shares: tuple[int, ...] = (), owners: tuple[str, ...] = (),
     ) -> None:
         b = self.boundary
         self.members.learn(members)
@@ -620,8 +651,9 @@ class StepMachine:
         self.capacity = bool(shares)  # the leader's mode, kept if we take over
         committed = self.ledger.committed.get(step)
         if step == b - 1 and committed is not None and (
-                committed != members or self.ledger.committed_shares.get(step, ()) != shares):
-            self._rollback(out, step, members, now, shares)
+                committed != members or self.ledger.committed_shares.get(step, ()) != shares
+                or self.ledger.committed_owners.get(step, ()) != owners):
+            self._rollback(out, step, members, now, shares, owners)
             return
         if step > b:
             # The leader names only a step whose hashes every member published: the
@@ -633,11 +665,11 @@ class StepMachine:
         if self.self_id not in members:
             self._cut_off(out, f"the group went on without {self.self_id} at {self.unit} {b}")
             return
-        self.set_roster(out, step, members, now, shares)
+        self.set_roster(out, step, members, now, shares, owners)
 
     def set_roster(
         self, out: list[Action], step: int, members: tuple[str, ...], now: float,
-        shares: tuple[int, ...] = (),
+        shares: tuple[int, ...] = (), owners: tuple[str, ...] = (),
     ) -> None:
         st = self.ledger.open(step)
         old = st.roster
@@ -648,13 +680,28 @@ class StepMachine:
                               True)
                 return
             st.payloads = {p: g for p, g in st.payloads.items() if p in members}
+        old_owners = st.owners
+        if old is not None and len(owners) != len(old_owners):
+            # Another cut of the step (a new leader's roster, or the other exchange): what
+            # was sent under the old one is void, and our contribution goes out again.
+            old_owners = ()
+            st.parts, st.means, st.reduced = {}, {}, {}
+            if not owners and self.self_id in st.payloads:
+                others = tuple(p for p in members if p != self.self_id)
+                out.append(Send(others, wire.Contribution(step, self.self_id,
+                                                          st.payloads[self.self_id])))
         st.roster = members
         st.shares = shares
+        st.owners = owners
         if st.named_at is None:
             st.named_at = now
         self._last_roster = members
         self._had_roster = True
         self._left.difference_update(members)  # named again: members again
+        if owners:
+            self.owned.roster_named(out, step, st, old_owners)
+            if self.done:
+                return
         # Contributions received before the roster from non-members are dropped now; the
         # members' are checked now (a bad one from a member halts, as it would later).
         st.payloads = {p: g for p, g in st.payloads.items() if p in members}
@@ -677,8 +724,8 @@ class StepMachine:
         if s != self.boundary:
             return  # too old (committed) or too new (cannot happen on ordered channels)
         st = self.ledger.open(s)
-        if msg.sender in st.payloads or msg.sender == self.self_id:
-            return
+        if msg.sender in st.payloads or msg.sender == self.self_id or st.owners:
+            return  # (the owner exchange sends parts, never a whole contribution)
         if st.roster is None:
             # No roster yet: the contribution waits, unchecked, for it (one per sender, and a
             # sender is the peer on the link unless the leader relays). Then a member's
@@ -706,13 +753,14 @@ class StepMachine:
         return True
 
     def _rollback(self, out: list[Action], step: int, members: tuple[str, ...], now: float,
-                  shares: tuple[int, ...] = ()) -> None:
+                  shares: tuple[int, ...] = (), owners: tuple[str, ...] = ()) -> None:
         restore = getattr(self.replica, "restore", None)
         if self._backup is None or self._backup[0] != step or restore is None:
             self.stop_run(out, step, f"roster of committed {self.unit} {step} was amended", True)
             return
         st = self.ledger.get(step)
-        if st is None or not set(members) <= set(st.payloads):
+        if st is None or st.roster is None or not set(members) <= set(st.roster) or (
+                not st.owners and not owners and not set(members) <= set(st.payloads)):
             self.stop_run(out, step, f"amended roster of {self.unit} {step} cannot be rebuilt",
                           True)
             return
@@ -724,17 +772,19 @@ class StepMachine:
             return
         restore(self._backup[1])
         self.ledger.uncommit(step)
-        st.roster = members
-        st.shares = shares
-        st.payloads = {p: g for p, g in st.payloads.items() if p in members}
-        self._try_commit(out, step, rollback=True)
+        self.owned.rolled_back(step)
+        self._recommit = step  # committed again once the amended roster's step is whole
+        self.set_roster(out, step, members, now, shares, owners)
 
     def _try_commit(self, out: list[Action], step: int, rollback: bool = False) -> bool:
         st = self.ledger.get(step)
         if st is None or st.roster is None or step != self.boundary:
             return False
+        if st.owners:
+            return self._try_commit_owned(out, step, st)
         if any(p not in st.payloads for p in st.roster):
             return False  # exactly the roster's contributions, never a partial average
+        rollback = rollback or self._recommit == step
         # The decoded values of the very bytes every member holds (its own included),
         # decoded part by part as the average adds them (all were validated on arrival).
         size = self.replica.size
@@ -753,6 +803,22 @@ class StepMachine:
             self.stop_run(out, step, f"the mean of {self.unit} {step} has {bad} values that are "
                                   f"not finite (contributions of {', '.join(st.roster)})", True)
             return False
+        digests = tuple(wire.payload_digest(st.payloads[p]) for p in st.roster)
+        return self._apply(out, step, st, mean, digests, clipped, rollback)
+
+    def _try_commit_owned(self, out: list[Action], step: int, st: InFlight) -> bool:
+        """The owner exchange: commit once every part's mean over the roster is in."""
+        got = self.owned.mean(out, step, st)
+        if got is None:
+            return False
+        mean, digests = got
+        clipped = self.owned.committed(step, st)
+        return self._apply(out, step, st, mean, digests, clipped, self._recommit == step)
+
+    def _apply(self, out: list[Action], step: int, st: InFlight, mean: np.ndarray,
+               digests: tuple[str, ...], clipped: tuple[str, ...], rollback: bool) -> bool:
+        """Apply the step's mean and commit it (``digests``: of the bytes it came from)."""
+        assert st.roster is not None
         backup = getattr(self.replica, "backup", None)
         if backup is not None:
             self._backup = (step, backup())
@@ -761,16 +827,16 @@ class StepMachine:
         except (GradientError, ValueError) as exc:  # refused before any change
             self.stop_run(out, step, f"refused the mean of {self.unit} {step}: {exc}", True)
             return False
-        self.ledger.commit(step, st.roster, st.shares)
-        self.hash_check.averaged_at(
-            step + 1, tuple(wire.payload_digest(st.payloads[p]) for p in st.roster))
+        self._recommit = None
+        self.ledger.commit(step, st.roster, st.shares, st.owners)
+        self.hash_check.averaged_at(step + 1, digests)
         if self.is_leader:
             self.leading.measure_round(st)
         self.ledger.forget_before(step, self.history, keep_payloads=self.is_leader)
         self._publish_hashes(out)
         wh, ph = self.hash_check.own(self.boundary)
         out.append(Commit(step, st.roster, self._losses.pop(step, None), wh, ph, rollback,
-                          st.shares, clipped))
+                          st.shares, clipped, st.owners))
         return True
 
     def _progress(self, out: list[Action], now: float) -> None:

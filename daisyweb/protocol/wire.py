@@ -42,8 +42,13 @@ __all__ = [
     "Contribution",
     "StepHashes",
     "RepairRequest",
+    "OwnedPart",
+    "MeanPart",
+    "PartRequest",
+    "MeanRequest",
     "NO_ROSTER",
     "roster_digest",
+    "cut_digest",
     "Heartbeat",
     "Halt",
     "Message",
@@ -55,7 +60,7 @@ __all__ = [
 # The messages below, as every peer of this version speaks them; a peer announcing another
 # version in its Hello is never listened to (protocol.leading). It goes up with any change
 # of a message's fields.
-PROTOCOL_VERSION = 6
+PROTOCOL_VERSION = 7
 
 # Limits. Generous for the project's models, small enough that a hostile peer
 # cannot make us allocate without bound.
@@ -245,6 +250,16 @@ def _members(t: str, name: str, v: Any) -> tuple[str, ...]:
     return out
 
 
+def _owners(t: str, name: str, v: Any) -> tuple[str, ...]:
+    """Who reduces each part: peer ids, one member may own several parts."""
+    if type(v) not in (list, tuple):
+        raise _fail(t, name, f"expected list of str, got {type(v).__name__}")
+    if len(v) > MAX_MEMBERS:
+        raise _fail(t, name, f"at most {MAX_MEMBERS} owners, got {len(v)}")
+    check_id = _id()
+    return tuple(check_id(t, f"{name}[{i}]", m) for i, m in enumerate(v))
+
+
 def _digests(t: str, name: str, v: Any) -> tuple[str, ...]:
     if type(v) not in (list, tuple):
         raise _fail(t, name, f"expected list of str, got {type(v).__name__}")
@@ -395,15 +410,24 @@ class Roster(_Msg):
     members: tuple[str, ...]  # a list is accepted and stored as a tuple (frozen)
     shares: tuple[int, ...] = ()
     term: int = 0
+    # The owner exchange (``protocol.owners``): the member that reduces each part of the
+    # mean, in part order (as many parts as the step's first roster had members; an
+    # amendment hands a lost owner's parts to its successor). Empty: all-to-all.
+    owners: tuple[str, ...] = ()
 
     type: ClassVar[str] = "roster"
     _checks: ClassVar[dict[str, Checker]] = {"step": _step, "members": _members,
-                                             "shares": _shares, "term": _int(0, MAX_STEP)}
+                                             "shares": _shares, "term": _int(0, MAX_STEP),
+                                             "owners": _owners}
 
     def _check_cross(self) -> None:
         if self.shares and len(self.shares) != len(self.members):
             raise _fail(self.type, "shares", f"{len(self.shares)} shares for "
                                              f"{len(self.members)} members")
+        strangers = set(self.owners) - set(self.members)
+        if strangers:
+            raise _fail(self.type, "owners", "an owner that is not a member: "
+                                             f"{sorted(strangers)[0]}")
 
 
 @dataclass(frozen=True)
@@ -466,18 +490,102 @@ NO_ROSTER = "00"
 
 
 def roster_digest(members: tuple[str, ...] | list[str] | None,
-                  shares: tuple[int, ...] = ()) -> str:
-    """Short hex digest of an ordered roster and its shares (``NO_ROSTER`` for None);
-    without shares, of the members alone."""
+                  shares: tuple[int, ...] = (), owners: tuple[str, ...] = ()) -> str:
+    """Short hex digest of an ordered roster, its shares and its parts' owners
+    (``NO_ROSTER`` for None); without shares and owners, of the members alone."""
     if members is None:
         return NO_ROSTER
     h = hashlib.blake2b(digest_size=8)
     for m in members:
-        b = m.encode("utf-8")
-        h.update(struct.pack("<I", len(b)) + b)  # length-prefixed: no ambiguity
+        h.update(_counted(m))
     if shares:
         h.update(b"\x00shares" + struct.pack(f"<{len(shares)}Q", *shares))
+    if owners:
+        h.update(b"\x00owners" + b"".join(_counted(o) for o in owners))
     return h.hexdigest()
+
+
+def cut_digest(members: tuple[str, ...], shares: tuple[int, ...], parts: int) -> str:
+    """What a mean of the owner exchange was reduced over: the roster's members and
+    shares, cut into ``parts`` parts."""
+    h = hashlib.blake2b(digest_size=8)
+    h.update(roster_digest(members, shares).encode() + struct.pack("<Q", parts))
+    return h.hexdigest()
+
+
+def _counted(name: str) -> bytes:
+    """``name`` length-prefixed: a list of them has one reading."""
+    b = name.encode("utf-8")
+    return struct.pack("<I", len(b)) + b
+
+
+@dataclass(frozen=True)
+class OwnedPart(_Msg):
+    """``sender``'s bytes of part ``part`` of its contribution to step ``step``, sent to
+    the member that reduces that part (the owner exchange, ``protocol.owners``): a slice
+    of the whole payload, itself the codec's payload of the part's values."""
+
+    step: int
+    sender: str
+    part: int
+    parts: int  # of the cut the part is of: the step's first roster's size
+    payload: bytes
+
+    type: ClassVar[str] = "owned_part"
+    _checks: ClassVar[dict[str, Checker]] = {"step": _step, "sender": _peer,
+                                             "part": _int(0, MAX_MEMBERS - 1),
+                                             "parts": _int(1, MAX_MEMBERS),
+                                             "payload": _bytes(MAX_PAYLOAD)}
+
+    def _check_cross(self) -> None:
+        if self.part >= self.parts:
+            raise _fail(self.type, "part", f"part {self.part} of {self.parts}")
+
+
+@dataclass(frozen=True)
+class MeanPart(_Msg):
+    """The mean of part ``part`` of step ``step`` as ``owner`` reduced it over the roster
+    whose :func:`cut_digest` (members, shares, parts) is ``roster_hash``: the codec's bytes
+    that every member, the owner included, decodes and applies. Sent by the owner, or
+    relayed by the leader (a repair): the only relay accepted."""
+
+    step: int
+    owner: str
+    part: int
+    roster_hash: str
+    payload: bytes
+
+    type: ClassVar[str] = "mean_part"
+    _checks: ClassVar[dict[str, Checker]] = {"step": _step, "owner": _peer,
+                                             "part": _int(0, MAX_MEMBERS - 1),
+                                             "roster_hash": _hex,
+                                             "payload": _bytes(MAX_PAYLOAD)}
+
+
+@dataclass(frozen=True)
+class PartRequest(_Msg):
+    """The owner of part ``part`` lacks ``sender``'s bytes of it: sent to the sender
+    (which resends them) and to the leader (which amends a sender that is gone)."""
+
+    step: int
+    part: int
+    sender: str
+
+    type: ClassVar[str] = "part_request"
+    _checks: ClassVar[dict[str, Checker]] = {"step": _step, "part": _int(0, MAX_MEMBERS - 1),
+                                             "sender": _peer}
+
+
+@dataclass(frozen=True)
+class MeanRequest(_Msg):
+    """The sender lacks the mean of part ``part`` of step ``step``: the leader relays it,
+    or hands the part of an owner that is gone to its successor."""
+
+    step: int
+    part: int
+
+    type: ClassVar[str] = "mean_request"
+    _checks: ClassVar[dict[str, Checker]] = {"step": _step, "part": _int(0, MAX_MEMBERS - 1)}
 
 
 @dataclass(frozen=True)
@@ -513,7 +621,7 @@ class Halt(_Msg):
 
 Message = (
     Hello | Following | Config | Snapshot | Roster | Contribution | StepHashes | RepairRequest
-    | Heartbeat | Halt
+    | OwnedPart | MeanPart | PartRequest | MeanRequest | Heartbeat | Halt
 )
 
 MESSAGE_TYPES: dict[str, type[_Msg]] = {
@@ -527,6 +635,10 @@ MESSAGE_TYPES: dict[str, type[_Msg]] = {
         Contribution,
         StepHashes,
         RepairRequest,
+        OwnedPart,
+        MeanPart,
+        PartRequest,
+        MeanRequest,
         Heartbeat,
         Halt,
     )

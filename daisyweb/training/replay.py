@@ -22,10 +22,19 @@ from daisyweb.protocol.averaging import (
     check_gradient,
     weighted_average_in_roster_order,
 )
+from daisyweb.protocol.codec import Codec
 from daisyweb.protocol.influence import clip_factors, squared_norm
+from daisyweb.protocol.owners import (
+    MeanEncoder,
+    assemble_mean,
+    part_bounds,
+    part_payload,
+    reduce_part,
+)
 from daisyweb.training.rounds import outer_step, round_length, shared_hash
 
-__all__ = ["replay", "replay_hashes", "replay_rounds", "round_anchors"]
+__all__ = ["OwnedMeans", "replay", "replay_hashes", "replay_owned", "replay_rounds",
+           "round_anchors"]
 
 # (roster, contributions by member) or, for capacity-weighted batches,
 # (roster, contributions, sequences per roster member)
@@ -78,6 +87,58 @@ def replay(
         opt = DaisyAdam(adam_config, params.size, optimizer_state)
         return weight_hash(params, opt)
     return replay_hashes(initial_params, adam_config, steps, optimizer_state)[-1]
+
+
+class OwnedMeans:
+    """The owner exchange's mean of each step as the group computes it
+    (``protocol.owner_exchange``): every part of the members' payloads reduced in roster
+    order by its owner, encoded with that owner's error feedback (one encoder per owner,
+    carried from step to step), and the parts' bytes decoded."""
+
+    def __init__(self, codec: Codec, size: int) -> None:
+        self.codec = codec
+        self.size = size
+        self.encoders: dict[str, MeanEncoder] = {}
+
+    def __call__(self, roster: Sequence[str], owners: Sequence[str],
+                 payloads: Mapping[str, bytes], shares: Sequence[int] = ()) -> np.ndarray:
+        bounds = part_bounds(self.size, len(owners))
+        sent = []
+        for owner, where in zip(owners, bounds, strict=True):
+            parts = [part_payload(self.codec, payloads[p], self.size, where) for p in roster]
+            mean, _ = reduce_part(self.codec, parts, where.stop - where.start, shares, True,
+                                  roster)
+            encoder = self.encoders.setdefault(owner, MeanEncoder(self.codec, self.size))
+            sent.append(encoder.encode(where, mean))
+        return assemble_mean(self.codec, sent, bounds, self.size)
+
+
+# (roster, parts' owners, payload bytes by member, shares)
+OwnedSpec = tuple[Sequence[str], Sequence[str], Mapping[str, bytes], Sequence[int]]
+
+
+def replay_owned(
+    initial_params: np.ndarray,
+    adam_config: AdamConfig,
+    steps: Sequence[OwnedSpec],
+    codec: Codec,
+) -> list[str]:
+    """:func:`replay_hashes` for the owner exchange: each step's mean as
+    :class:`OwnedMeans` computes it from the members' payloads (a step without owners
+    is all-to-all's)."""
+    params = np.array(initial_params, dtype=np.float32, copy=True)
+    opt = DaisyAdam(adam_config, params.size)
+    means = OwnedMeans(codec, params.size)
+    out: list[str] = []
+    for i, (roster, owners, payloads, shares) in enumerate(steps):
+        if owners:
+            mean = means(roster, owners, payloads, shares)
+        else:
+            decoded = {p: codec.decode(payloads[p], params.size) for p in roster}
+            mean = _combine((roster, decoded, shares), params.size, f"step {i}")
+        opt.step(params, mean)
+        out.append(weight_hash(params, opt))
+    return out
 
 
 def replay_rounds(

@@ -40,21 +40,21 @@ GOOD_PROBE = "aa" * 16
 BAD_PROBE = "bb" * 16
 
 
-def initial_params() -> np.ndarray:
-    return np.random.default_rng(123).standard_normal(SIZE).astype(np.float32)
+def initial_params(size: int = SIZE) -> np.ndarray:
+    return np.random.default_rng(123).standard_normal(size).astype(np.float32)
 
 
-def grad_for(peer: str, step: int) -> np.ndarray:
+def grad_for(peer: str, step: int, size: int = SIZE) -> np.ndarray:
     seed = (sum(peer.encode()) * 1000 + step) % (2**32)
-    return np.random.default_rng(seed).standard_normal(SIZE).astype(np.float32)
+    return np.random.default_rng(seed).standard_normal(size).astype(np.float32)
 
 
 class FakeReplica:
     """Params + DaisyAdam, like train.TrainState, with backup/restore for rollback."""
 
-    def __init__(self) -> None:
-        self.params = initial_params()
-        self.opt = DaisyAdam(ADAM, SIZE)
+    def __init__(self, size: int = SIZE) -> None:
+        self.params = initial_params(size)
+        self.opt = DaisyAdam(ADAM, size)
         self.applied: list[np.ndarray] = []
 
     @property
@@ -63,7 +63,7 @@ class FakeReplica:
 
     @property
     def size(self) -> int:
-        return SIZE
+        return self.params.size
 
     def apply(self, average: np.ndarray, *, owned: bool = False) -> None:
         self.opt.step(self.params, average)
@@ -97,12 +97,14 @@ class Bus:
         late: tuple[str, ...] = (),
         codec: Codec = F32,
         archive: Archive | None = None,
+        size: int = SIZE,
+        exchange: str = "all",
     ) -> None:
         self.rng = random.Random(seed)
         self.grad = grad
         self.drop = drop
         self.now = 0.0
-        self.replicas = {p: FakeReplica() for p in peers}
+        self.replicas = {p: FakeReplica(size) for p in peers}
         probes = probes if probes is not None else {}
         self.machines: dict[str, StepMachine] = {
             p: StepMachine(
@@ -115,6 +117,7 @@ class Bus:
                 repair_after=repair_after,
                 codec=codec,
                 archive=archive,
+                exchange=exchange,
             )
             for p in peers
         }
@@ -843,7 +846,7 @@ def test_future_rosters_are_not_kept() -> None:
     m.message("zz", wire.Roster(b, ("zz",)))
     assert m.ledger.rosters_seen == before and not m.done
     m.message("c", wire.Roster(b + 1, ("c", "b")))  # near: kept for a failover
-    assert m.ledger.rosters_seen[("c", b + 1)] == (("c", "b"), (), 0)
+    assert m.ledger.rosters_seen[("c", b + 1)] == (("c", "b"), (), 0, ())
 
 
 class RecordingCodec:

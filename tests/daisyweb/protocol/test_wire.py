@@ -19,6 +19,10 @@ from daisyweb.protocol.wire import (
     Halt,
     Heartbeat,
     Hello,
+    MeanPart,
+    MeanRequest,
+    OwnedPart,
+    PartRequest,
     RepairRequest,
     Roster,
     Snapshot,
@@ -60,6 +64,11 @@ SAMPLES = [
     Heartbeat(12.5, 11.75),  # an answer to a beat
     Roster(6, ["a", "b"], [3, 13]),  # capacity-weighted shares
     StepHashes(6, "a", H, "cd" * 8, "00", 812.5),  # with the sender's speed
+    Roster(7, ["a", "b", "c"], [], 2, ["a", "a", "c"]),  # the parts' owners
+    OwnedPart(7, "b", 2, 3, b"\x01\x02\x03"),
+    MeanPart(7, "c", 2, "cd" * 8, b"\x01\x02\x03\x04\x05"),
+    PartRequest(7, 2, "b"),
+    MeanRequest(7, 1),
 ]
 
 
@@ -93,6 +102,40 @@ def test_a_contribution_keeps_its_wire_name_and_bytes() -> None:
     assert encode(msg) == (b"\x84\xa4type\xa8gradient\xa4step\x05\xa6sender\xa1a"
                            b"\xa7payload\xc4\x04\x01\x02\x03\x04")
     assert decode(encode(msg)) == msg
+
+
+@pytest.mark.parametrize("owners", [["a", "z"], ["a"] * 1025, [""], "ab"])
+def test_a_roster_refuses_owners_that_are_not_members(owners: object) -> None:
+    with pytest.raises(WireError, match="owners"):
+        Roster(1, ["a", "b"], [], 0, owners)  # type: ignore[arg-type]
+    with pytest.raises(WireError, match="owners|msgpack"):  # (msgpack: too long to read)
+        decode(_pack({"type": "roster", "step": 1, "members": ["a", "b"], "shares": [],
+                      "term": 0, "owners": owners}))
+
+
+@pytest.mark.parametrize("part", [-1, 1024, 1.0, True])
+def test_a_part_index_out_of_range_is_refused(part: object) -> None:
+    with pytest.raises(WireError, match="part"):
+        decode(_pack({"type": "mean_request", "step": 1, "part": part}))
+    with pytest.raises(WireError, match="part"):
+        decode(_pack({"type": "owned_part", "step": 1, "sender": "a", "part": part, "parts": 4,
+                      "payload": b""}))
+
+
+def test_a_part_must_be_one_of_its_cuts_parts() -> None:
+    with pytest.raises(WireError, match="part 3 of 3"):
+        OwnedPart(1, "a", 3, 3, b"")
+    with pytest.raises(WireError, match="part 3 of 3"):
+        decode(_pack({"type": "owned_part", "step": 1, "sender": "a", "part": 3, "parts": 3,
+                      "payload": b""}))
+
+
+def test_the_roster_digest_names_the_owners() -> None:
+    members = ("a", "b")
+    assert wire.roster_digest(members) == wire.roster_digest(members, (), ())
+    assert wire.roster_digest(members, (), ("a", "b")) != wire.roster_digest(members)
+    assert (wire.roster_digest(members, (), ("a", "b"))
+            != wire.roster_digest(members, (), ("b", "b")))
 
 
 def test_roster_members_normalised() -> None:
@@ -291,7 +334,7 @@ def test_step_hashes_carry_a_valid_roster_hash() -> None:
 def test_roster_shares_are_checked(shares: object, why: str) -> None:
     with pytest.raises(WireError, match=why):
         decode(_pack({"type": "roster", "step": 1, "members": ["a", "b"],
-                           "shares": shares, "term": 0}))
+                           "shares": shares, "term": 0, "owners": []}))
 
 
 @pytest.mark.parametrize("digests", ["ab", ["AB"], ["xyz1"], [1], ["ab"] * 1025])
@@ -307,7 +350,7 @@ def test_step_hashes_digests_are_checked(digests: object) -> None:
 @pytest.mark.parametrize("kind", ["roster", "following"])
 @pytest.mark.parametrize("term", [-1, 1 << 63, 1.0, "1", True, None])
 def test_terms_are_checked(kind: str, term: object) -> None:
-    fields = ({"step": 1, "members": ["a"], "shares": []} if kind == "roster"
+    fields = ({"step": 1, "members": ["a"], "shares": [], "owners": []} if kind == "roster"
               else {"leader": "a"})
     assert decode(_pack({"type": kind, **fields, "term": 7})).term == 7  # type: ignore[union-attr]
     with pytest.raises(WireError, match="term"):
