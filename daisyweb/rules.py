@@ -60,6 +60,11 @@ DEFAULTS: MappingProxyType[str, int | float | str] = MappingProxyType({
 })
 # The exchange of a checkpoint that names none: it was trained in lockstep, float32.
 LOCKSTEP = MappingProxyType({"sync_every": 1, "codec": "f32", "outer_lr": 1.0, "overlap": 0})
+
+EXCHANGES = ("auto", "all", "owner")
+OWNER_FROM = 4
+"""``--exchange auto`` runs the owner exchange (``protocol.owner_exchange``) from rosters
+of this many members, all-to-all below."""
 CODEC_NAMES = ("f32", "int8", "int4")
 MAX_SYNC_EVERY = 1 << 20
 

@@ -12,7 +12,8 @@ test variable). In-process tests pass ``driver_class=faulty(Hooks(...))`` to
 ``DAISYWEB_TEST_CORRUPT_GRADIENT=S:nan|short`` (corrupt the step-S contribution on the
 wire), ``DAISYWEB_TEST_FORK_AT=S`` (perturb one weight after step S is applied),
 ``DAISYWEB_TEST_DUMP_GRADS=DIR`` (write what every member decodes from each of our
-contributions to DIR, the replay oracle's input), ``DAISYWEB_TEST_STEP_DELAY=SECONDS``
+contributions to DIR, and its bytes, the replay oracle's input),
+``DAISYWEB_TEST_STEP_DELAY=SECONDS``
 (sleep before each contribution, to widen the window for kill tests),
 ``DAISYWEB_TEST_GRADIENT_RAISES=S`` (the step-S computation raises, as a kernel refusing
 a non-finite activation would), ``DAISYWEB_TEST_CORRUPT_SNAPSHOT=byte|hash`` (the leader
@@ -237,6 +238,9 @@ class FaultyDriver(Driver):
         if self.hooks.dump_grads and self._own_payload:
             decoded = self.encoder.decode(self._own_payload, m.replica.size)
             np.save(Path(self.hooks.dump_grads) / f"{m.self_id}-{item.step}.npy", decoded)
+            # and the bytes themselves (the owner exchange's oracle cuts them into parts)
+            (Path(self.hooks.dump_grads) / f"{m.self_id}-{item.step}.bin").write_bytes(
+                bytes(self._own_payload))
 
 
 def faulty(hooks: Hooks) -> type[FaultyDriver]:

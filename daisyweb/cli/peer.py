@@ -35,7 +35,15 @@ from daisyweb.net.ice import parse_server_url  # pure Python too
 
 # Both pure Python, so flag errors stay instant. daisyweb.rules.DEFAULTS is the one set of
 # run defaults (also daisyweb.training.config.DEFAULTS, and daisyweb-demo's).
-from daisyweb.rules import CODEC_NAMES, DEFAULTS, FIELD_RULES, check_heads, default_overlap
+from daisyweb.rules import (
+    CODEC_NAMES,
+    DEFAULTS,
+    EXCHANGES,
+    FIELD_RULES,
+    OWNER_FROM,
+    check_heads,
+    default_overlap,
+)
 from signaling.protocol import ROOM_RULE, valid_room  # the server's own room rule
 
 TRANSPORTS = ("auto", "aiortc", "libwebrtc")  # daisyweb.net.transport.NAMES, without imports
@@ -120,6 +128,11 @@ def build_parser() -> argparse.ArgumentParser:
                    help="leader: give faster members a bigger share of each step's (or "
                         "round's) sequences, by their measured speed (default on); off: "
                         "equal shares")
+    p.add_argument("--exchange", choices=EXCHANGES, default="auto",
+                   help="how the rosters this peer names (as leader) exchange contributions: "
+                        "all (every member's to every other), owner (each part of the mean "
+                        f"reduced by one member), auto (owner from {OWNER_FROM} members on; "
+                        "the default); members follow the leader's rosters")
     p.add_argument("--resume", default=None, metavar="FILE.pt", help="leader: resume a run")
     p.add_argument("--save", default=None, metavar="FILE.pt", help="checkpoint file (atomic)")
     p.add_argument("--eval-every", type=_non_negative_int, default=0, metavar="K",

@@ -33,6 +33,7 @@ import logging
 import time
 from collections import deque
 from collections.abc import Callable, Iterator
+from dataclasses import dataclass
 from typing import Any
 
 from daisyweb.net.events import (
@@ -48,7 +49,7 @@ from daisyweb.net.transport import Transport
 from daisyweb.protocol import framing, wire
 
 __all__ = ["BeatDelay", "CHANNEL_LABEL", "Link", "MAX_BAD_MESSAGES", "SEND_HIGH_WATER",
-           "SEND_LOW_WATER"]
+           "SEND_LOW_WATER", "Traffic"]
 
 log = logging.getLogger("daisyweb.net.mesh")
 
@@ -83,6 +84,15 @@ class BeatDelay:
         return age - min(a for _, a in self._ages)
 
 
+@dataclass
+class Traffic:
+    """Bytes of the frames a peer's links sent and received (data and heartbeats; not the
+    SCTP, DTLS and ICE bytes around them): what the exchange costs a peer on the wire."""
+
+    sent: int = 0
+    received: int = 0
+
+
 class Link:
     """The connection to one peer, from negotiation until it is dropped (once)."""
 
@@ -98,6 +108,7 @@ class Link:
         max_reassembly_bytes: int,
         msg_ids: Iterator[int],
         on_drop: Callable[[Link], None],
+        traffic: Traffic | None = None,
     ) -> None:
         self.peer = peer
         self.session = session  # which offer this link belongs to (stale answers are ignored)
@@ -112,6 +123,7 @@ class Link:
         self._events = events
         self._max_message_bytes = max_message_bytes
         self._msg_ids = msg_ids  # shared by the mesh's links: ids never repeat
+        self.traffic = traffic if traffic is not None else Traffic()  # the mesh's, shared
         self._on_drop = on_drop
         self._reassembler = framing.Reassembler(max_total=max_message_bytes,
                                                 max_buffered=max_reassembly_bytes)
@@ -253,6 +265,7 @@ class Link:
                     channel.send(f)
                 except Exception as e:  # InvalidStateError when the channel just closed
                     raise MeshError(f"send to {self.peer} failed: {e}") from e
+                self.traffic.sent += len(f)
 
     def send_heartbeat(self, data: bytes) -> None:
         """One encoded heartbeat, now: bypasses the send lock and backpressure.
@@ -262,7 +275,9 @@ class Link:
         """
         with contextlib.suppress(Exception):  # a closing channel: the drop follows
             assert self.channel is not None
-            self.channel.send(framing.frame(data, next(self._msg_ids))[0])
+            frame = framing.frame(data, next(self._msg_ids))[0]
+            self.channel.send(frame)
+            self.traffic.sent += len(frame)
 
     # ------------------------------------------------------------------ receiving
 
@@ -270,6 +285,7 @@ class Link:
         if self.dead:
             return
         self._last_rx = time.monotonic()  # any frame is liveness
+        self.traffic.received += len(data)
         if not isinstance(data, bytes):
             self._report_bad("text message on the data channel (frames are binary)")
             return

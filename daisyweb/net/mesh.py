@@ -52,7 +52,7 @@ from daisyweb.net.events import (
     PeerUp,
     Received,
 )
-from daisyweb.net.link import Link
+from daisyweb.net.link import Link, Traffic
 from daisyweb.net.signaling_client import Approve, SignalingClient
 from daisyweb.net.tasks import TaskSet, cancel, reap
 from daisyweb.net.transport import Transport, choose
@@ -180,6 +180,7 @@ class Mesh:
         self._tasks = TaskSet()
         self._heartbeat: asyncio.Task[None] | None = None
         self._msg_ids = itertools.count(1)
+        self.traffic = Traffic()  # every link's frames, this run
         self._sessions = itertools.count(1)
         self._started = False
         self._closed = False
@@ -327,6 +328,7 @@ class Mesh:
             max_reassembly_bytes=self._max_reassembly_bytes,
             msg_ids=self._msg_ids,
             on_drop=self._forget,
+            traffic=self.traffic,
         )
         link.drop_heartbeat = self._dropped  # its heartbeat answers obey the fault hook too
         old = self._links.get(peer)

@@ -245,7 +245,7 @@ class Driver:
             # mode from the rosters it is sent.
             capacity=self.opts.start and self.opts.capacity, batch=self.state.run.batch,
             archive=SpillArchive(), term=term, unit=unit(self.state.run),
-            inner_steps=self.state.run.sync_every)
+            inner_steps=self.state.run.sync_every, exchange=self.opts.exchange)
         return self.machine
 
     async def _start_leader(self) -> None:

@@ -30,7 +30,7 @@ class RecordingEncoder:
     def __init__(self, name: str, size: int) -> None:
         codec = codec_by_name(name)
         self.name = codec.name
-        self._codec = codec
+        self.codec = codec  # without error feedback: what receivers decode with
         self._encoder: Codec = codec.encoder(size)  # error feedback for int8 and int4
         self.bytes_sent = 0  # payload bytes of this member's own contributions so far
 
@@ -40,13 +40,13 @@ class RecordingEncoder:
         return payload
 
     def decode(self, payload: bytes, size: int, who: str = "payload") -> np.ndarray:
-        return self._codec.decode(payload, size, who)
+        return self.codec.decode(payload, size, who)
 
     def check(self, payload: bytes, size: int, who: str = "payload") -> None:
-        check_payload(self._codec, payload, size, who)
+        check_payload(self.codec, payload, size, who)
 
     def decode_parts(self, payload: bytes, size: int, who: str = "payload") -> Parts:
-        return decode_parts(self._codec, payload, size, who)
+        return decode_parts(self.codec, payload, size, who)
 
 
 def mode(run: RunConfig) -> str:

@@ -140,7 +140,7 @@ class Report:
         wall_s = max(0.0, now - t0)
         comm_share = comm_s / wall_s if wall_s > 0 else 0.0
         loss = c.loss if c.loss is not None else math.nan
-        note = f"{mode(run)}  comm {comm_share:.0%}"
+        note = f"{mode(run)}{' owners' if c.owners else ''}  comm {comm_share:.0%}"
         if run.sync_every > 1:
             note = f"round {c.step + 1}/{total}  " + note
         if c.rollback:
@@ -164,6 +164,11 @@ class Report:
         }
         if c.shares:  # capacity-weighted: sequences per roster member, in roster order
             record["shares"] = list(c.shares)
+        if c.owners:  # the owner exchange: who reduced each part of the mean
+            record["owners"] = list(c.owners)
+        traffic = getattr(status, "traffic", None)
+        if traffic is not None:  # frames on every link so far (data and heartbeats)
+            record["wire_sent"], record["wire_received"] = traffic.sent, traffic.received
         if heldout is not None:
             record["heldout_loss"], record["eval_s"] = heldout
             if 0.0 <= heldout[0] < math.inf:

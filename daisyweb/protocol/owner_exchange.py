@@ -45,18 +45,16 @@ from daisyweb.protocol.owners import (
     part_payload,
     reduce_part,
 )
+from daisyweb.rules import EXCHANGES, OWNER_FROM
 
 if TYPE_CHECKING:
     from daisyweb.protocol.sync import StepMachine
 
-__all__ = ["EXCHANGES", "OWNER_FROM", "OwnerExchange", "hand_over"]
+__all__ = ["EXCHANGES", "OWNER_FROM", "OwnerExchange", "hand_over"]  # (the first two: rules)
 
-EXCHANGES = ("auto", "all", "owner")
 EARLY_PER_SENDER = 8
 """Parts a member keeps from one sender before they are its to reduce (an honest sender
 sends a member the parts it owns: one, and a lost owner's now and then)."""
-OWNER_FROM = 4
-"""``auto`` runs the owner exchange from rosters of this many members, all-to-all below."""
 
 
 @lru_cache(maxsize=64)

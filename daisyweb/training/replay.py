@@ -33,8 +33,8 @@ from daisyweb.protocol.owners import (
 )
 from daisyweb.training.rounds import outer_step, round_length, shared_hash
 
-__all__ = ["OwnedMeans", "replay", "replay_hashes", "replay_owned", "replay_rounds",
-           "round_anchors"]
+__all__ = ["OwnedMeans", "replay", "replay_hashes", "replay_owned", "replay_owned_rounds",
+           "replay_rounds", "round_anchors"]
 
 # (roster, contributions by member) or, for capacity-weighted batches,
 # (roster, contributions, sequences per roster member)
@@ -174,10 +174,47 @@ def round_anchors(
     """``(rounds done, inner steps done, shared weights)`` after every round of
     :func:`replay_rounds` (a new array each time), ``rounds`` read one at a time: what a
     benchmark evaluates offline at each boundary instead of stopping the run to."""
+    size = np.asarray(initial_params).size
+    means = (_combine(spec, size, f"round {first_round + i}") for i, spec in enumerate(rounds))
+    return _anchors(initial_params, means, sync_every, total_steps, outer_lr, first_round)
+
+
+def replay_owned_rounds(
+    initial_params: np.ndarray,
+    rounds: Sequence[OwnedSpec],
+    codec: Codec,
+    *,
+    sync_every: int,
+    total_steps: int,
+    outer_lr: float = 1.0,
+    first_round: int = 0,
+) -> list[str]:
+    """:func:`replay_rounds` for rounds of the owner exchange (``rounds[i]``: the roster,
+    the parts' owners, each member's payload bytes and the shares; a round without
+    owners is all-to-all's)."""
+    size = np.asarray(initial_params).size
+    owned = OwnedMeans(codec, size)
+
+    def mean(i: int, spec: OwnedSpec) -> np.ndarray:
+        roster, owners, payloads, shares = spec
+        if owners:
+            return owned(roster, owners, payloads, shares)
+        decoded = {p: codec.decode(payloads[p], size) for p in roster}
+        return _combine((roster, decoded, shares), size, f"round {first_round + i}")
+
+    means = (mean(i, spec) for i, spec in enumerate(rounds))
+    return [shared_hash(anchor, r, inner) for r, inner, anchor in _anchors(
+        initial_params, means, sync_every, total_steps, outer_lr, first_round)]
+
+
+def _anchors(initial_params: np.ndarray, means: Iterable[np.ndarray], sync_every: int,
+             total_steps: int, outer_lr: float, first_round: int,
+             ) -> Iterator[tuple[int, int, np.ndarray]]:
+    """``(rounds done, inner steps done, shared weights)`` after each round's mean."""
     anchor = np.array(initial_params, dtype=np.float32, copy=True)
     inner = first_round * sync_every
-    for i, spec in enumerate(rounds):
+    for i, mean in enumerate(means):
         r = first_round + i
-        anchor = outer_step(anchor, _combine(spec, anchor.size, f"round {r}"), outer_lr)
+        anchor = outer_step(anchor, mean, outer_lr)
         inner += round_length(r, total_steps, sync_every)
         yield r + 1, inner, anchor

@@ -48,6 +48,10 @@ SCENARIOS: dict[str, tuple[list[str], dict[str, str]]] = {
         "test_follower_sigkilled_mid_step_the_rest_finish",
         "test_rounds_late_joiner_and_follower_killed_mid_round",
     )], {PEER_VAR: "libwebrtc,aiortc"}),
+    # The owner exchange over both kinds: a member killed mid-round, a joiner.
+    "group-mixed-owners": ([RUN + t for t in (
+        "test_rounds_owner_exchange_member_killed_mid_round_and_a_late_joiner",
+    )], {PEER_VAR: "libwebrtc,aiortc"}),
 }
 
 

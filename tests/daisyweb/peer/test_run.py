@@ -33,7 +33,7 @@ from daisyweb.peer import PeerError, PeerOptions, report, run_peer
 from daisyweb.protocol import budget, framing, wire
 from daisyweb.protocol.codec import codec_by_name
 from daisyweb.training.config import RunConfig
-from daisyweb.training.replay import replay_hashes, replay_rounds
+from daisyweb.training.replay import replay_hashes, replay_owned_rounds, replay_rounds
 from tests.fault_peer import Hooks, faulty
 
 ROOT = Path(__file__).resolve().parents[3]
@@ -889,6 +889,58 @@ def test_rounds_late_joiner_and_follower_killed_mid_round(group: Group) -> None:
     assert 4 in rosters and rosters[-1] == 3, rosters
     assert [r["step"] for r in lead.steps()] == list(range(2, 21, 2))  # no round lost
     assert same_hashes(lead, a, late) == round_oracle(group, lead)
+
+
+def owned_round_oracle(g: Group, peer: Peer, codec: str, total: int) -> list[str]:
+    """:func:`round_oracle` for the owner exchange, from the members' dumped bytes."""
+    spec = []
+    for r in peer.steps():
+        i = r["round"] - 1
+        payloads = {q: (g.grads / f"{q}-{i}.bin").read_bytes() for q in r["roster"]}
+        spec.append((r["roster"], tuple(r.get("owners", ())), payloads, r.get("shares", ())))
+    tiny = tiny_run()
+    return replay_owned_rounds(init_params(tiny.model, tiny.seed), spec, codec_by_name(codec),
+                               sync_every=2, total_steps=total,
+                               first_round=peer.steps()[0]["round"] - 1)
+
+
+def test_rounds_eight_peers_on_the_owner_exchange_equal_to_replay(group: Group) -> None:
+    lead = group.leader(*ROUNDS[:-1], "int4", "--steps", "8", "--wait-peers", "8",
+                        "--capacity", "off", "--exchange", "owner")
+    others = [group.spawn(f"p{i}") for i in range(7)]
+    peers = [lead, *others]
+    assert [p.wait() for p in peers] == [0] * 8, group.logs()
+    for p in peers:
+        assert [r["step"] for r in p.steps()] == [2, 4, 6, 8]
+        assert all(r["owners"] == r["roster"] and len(r["roster"]) == 8 for r in p.steps())
+    hashes = same_hashes(*peers)
+    assert hashes == owned_round_oracle(group, lead, "int4", 8)
+    # A member sends each round its parts to 7 owners and its part's mean to 7 members:
+    # about two contributions, where all-to-all sends seven.
+    size = init_params(tiny_run().model, 3).size
+    payload = codec_by_name("int4").payload_size(size)
+    for p in others:
+        first, last = p.steps()[0], p.steps()[-1]
+        per_round = (last["wire_sent"] - first["wire_sent"]) / (len(p.steps()) - 1)
+        assert per_round < 3 * payload, (p.name, per_round, payload)
+
+
+def test_rounds_owner_exchange_member_killed_mid_round_and_a_late_joiner(group: Group) -> None:
+    lead = group.leader(*ROUNDS, "--steps", "20", "--wait-peers", "4", "--exchange", "owner",
+                        env=SLOW)
+    a = group.spawn("a", env=SLOW)
+    b = group.spawn("b", env=SLOW)
+    victim = group.spawn("victim", env=SLOW)
+    _wait_step(lead, 2)
+    late = group.spawn("late", env=SLOW)
+    _wait_step(late, 2)  # its first round as a member is committed
+    victim.proc.send_signal(signal.SIGKILL)  # an owner of a part, and a contributor
+    assert [p.wait() for p in (lead, a, b, late)] == [0] * 4, group.logs()
+    rosters = [len(r["roster"]) for r in lead.steps()]
+    assert 5 in rosters and rosters[-1] == 4, rosters
+    assert [r["step"] for r in lead.steps()] == list(range(2, 21, 2))  # no round lost
+    assert all(r["owners"] for r in lead.steps())
+    assert same_hashes(lead, a, b, late) == owned_round_oracle(group, lead, "int8", 20)
 
 
 def test_rounds_leader_killed_mid_round(group: Group) -> None:
