@@ -54,18 +54,25 @@ class InFlight:
     early: dict[tuple[str, int, int], bytes] = field(default_factory=dict)  # (sender,
     # parts, part) -> bytes, unchecked: a part sent before the roster (or the amendment,
     # or the new cut) that makes it ours reached us
-    means: dict[tuple[int, str], tuple[str, bytes]] = field(default_factory=dict)  # (part,
-    # owner) -> (roster hash it was reduced over, bytes): the latest of each
+    means: dict[tuple[int, str], tuple[str, tuple[float, ...], bytes]] = field(
+        default_factory=dict)  # (part, owner) -> (cut digest it was reduced over, the
+    # parts' squared norms, bytes): the latest of each, checked or not
+    checked: set[tuple[int, str, str]] = field(default_factory=set)  # (part, owner, cut
+    # digest) whose mean passed this member's bound
     reduced: dict[int, str] = field(default_factory=dict)  # part -> roster hash of the
     # mean of it we sent
     asked_means: dict[int, float] = field(default_factory=dict)  # part -> when asked
 
     def mean_of(self, part: int, roster_hash: str) -> bytes | None:
-        """The mean of ``part`` from its owner, reduced over the roster of ``roster_hash``."""
+        """The mean of ``part`` from its owner, reduced over the roster of ``roster_hash``
+        and within bounds (``owner_exchange``)."""
         if not 0 <= part < len(self.owners):
             return None
-        got = self.means.get((part, self.owners[part]))
-        return got[1] if got is not None and got[0] == roster_hash else None
+        owner = self.owners[part]
+        got = self.means.get((part, owner))
+        if got is None or got[0] != roster_hash or (part, owner, roster_hash) not in self.checked:
+            return None
+        return got[2]
 
     def reduces(self, self_id: str) -> list[int]:
         """The parts ``self_id`` reduces at this step."""
@@ -150,7 +157,7 @@ class StepLedger:
             del self.rosters_seen[key]
         for k, s in self.steps.items():
             if k < step:  # the owner exchange's parts and means: no repair reads them
-                s.parts, s.early, s.means = {}, {}, {}
+                s.parts, s.early, s.means, s.checked = {}, {}, {}, set()
         if not keep_payloads:
             # Followers never resend; keep only the step for a possible rollback.
             for k, s in self.steps.items():

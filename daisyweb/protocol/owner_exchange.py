@@ -41,7 +41,9 @@ from daisyweb.protocol.membership import successor
 from daisyweb.protocol.owners import (
     MeanEncoder,
     assemble_mean,
+    mean_out_of_bounds,
     part_bounds,
+    part_norms,
     part_payload,
     reduce_part,
 )
@@ -120,7 +122,7 @@ class OwnerExchange:
                                 wire.OwnedPart(step, m.self_id, j, len(st.owners), piece)))
 
     def roster_named(self, out: list[Action], step: int, st: InFlight,
-                     old_owners: tuple[str, ...]) -> None:
+                     old_owners: tuple[str, ...], now: float) -> None:
         """``st``'s roster was (re)named: drop what its members no longer send, check the
         parts that came before it, send parts whose owner changed, reduce what we can."""
         members = st.roster or ()
@@ -131,6 +133,10 @@ class OwnerExchange:
                 del st.parts[j]  # handed over (we reduce it no longer)
             else:
                 st.parts[j] = {p: g for p, g in st.parts[j].items() if p in members}
+        named = (st.roster, st.owners)
+        self._check_means(out, step, st, now)
+        if self.machine.done or (st.roster, st.owners) != named:
+            return  # (an owner refused: the roster was amended, and taken, meanwhile)
         early, st.early = st.early, {}
         for (sender, parts, j), payload in early.items():
             if parts == len(st.owners):
@@ -180,14 +186,46 @@ class OwnerExchange:
         if now is not None:
             st.arrived.setdefault(sender, now)
 
-    def on_mean(self, out: list[Action], peer: str, msg: wire.MeanPart) -> None:
+    def on_mean(self, out: list[Action], peer: str, msg: wire.MeanPart, now: float) -> None:
         m = self.machine
         if msg.owner != peer and peer != m.leader:
             return  # only the leader relays
         if msg.step not in (m.boundary, m.boundary - 1):
             return  # (the step before ours: an amendment may roll it back)
         st = m.ledger.open(msg.step)
-        st.means[(msg.part, msg.owner)] = (msg.roster_hash, msg.payload)
+        st.means[(msg.part, msg.owner)] = (msg.roster_hash, msg.norms, msg.payload)
+        st.checked.discard((msg.part, msg.owner, msg.roster_hash))  # these bytes: unchecked
+        if msg.step == m.boundary:
+            self._check_means(out, msg.step, st, now)
+
+    def _check_means(self, out: list[Action], step: int, st: InFlight, now: float) -> None:
+        """Check each mean reduced over the current roster by its part's owner against its
+        bound (``owners.mean_out_of_bounds``). One out of bounds is never applied: the
+        leader amends its owner away and excludes it (it sent the same bytes to every
+        member, or it equivocated: either way it is not honest); a member asks the leader
+        for the leader's copy."""
+        m = self.machine
+        if st.roster is None or not st.owners:
+            return
+        rh = self.roster_hash(st)
+        bounds = self._bounds(st)
+        for (j, owner), (h, norms, payload) in list(st.means.items()):
+            if (h != rh or j >= len(st.owners) or st.owners[j] != owner
+                    or (j, owner, h) in st.checked):
+                continue
+            where = bounds[j]
+            why = mean_out_of_bounds(self.codec, payload, where.stop - where.start, norms,
+                                     len(st.roster))
+            if why is None:
+                st.checked.add((j, owner, h))
+                continue
+            del st.means[(j, owner)]
+            reason = f"{owner}'s mean of part {j} of {m.unit} {step} refused: {why}"
+            if m.is_leader:
+                m.leading.amend(out, step, owner, now, reason)
+                m.leading.exclude(out, step, owner, reason)
+                return  # the amendment checked what is left
+            out.append(Send((m.leader,), wire.MeanRequest(step, j)))
 
     def on_part_request(self, out: list[Action], peer: str, msg: wire.PartRequest,
                         now: float) -> None:
@@ -212,7 +250,9 @@ class OwnerExchange:
         owner = st.owners[msg.part]
         payload = st.mean_of(msg.part, rh)
         if payload is not None:
-            out.append(Send((peer,), wire.MeanPart(msg.step, owner, msg.part, rh, payload)))
+            norms = st.means[(msg.part, owner)][1]
+            out.append(Send((peer,), wire.MeanPart(msg.step, owner, msg.part, rh, norms,
+                                                   payload)))
         elif msg.step == m.boundary and not m.members.alive(owner):
             m.leading.amend(out, msg.step, owner, now)
 
@@ -231,10 +271,11 @@ class OwnerExchange:
             if st.reduced.get(j) == rh or any(p not in got for p in st.roster):
                 continue
             where = bounds[j]
+            payloads = [got[p] for p in st.roster]
             try:
-                mean, clipped = reduce_part(self.codec, [got[p] for p in st.roster],
-                                            where.stop - where.start, st.shares, True,
-                                            st.roster)
+                norms2 = part_norms(self.codec, payloads, where.stop - where.start, st.roster)
+                mean, clipped = reduce_part(self.codec, payloads, where.stop - where.start,
+                                            st.shares, True, st.roster, norms2)
             except GradientError as exc:
                 m.stop_run(out, step, f"refused at {m.unit} {step}: {exc}", broadcast=True)
                 return
@@ -245,10 +286,12 @@ class OwnerExchange:
             self.clipped.setdefault(step, set()).update(st.roster[i] for i in clipped)
             payload = self.encoder.offer(step, where, mean)
             st.reduced[j] = rh
-            st.means[(j, m.self_id)] = (rh, payload)
+            norms = tuple(norms2)
+            st.means[(j, m.self_id)] = (rh, norms, payload)
+            st.checked.add((j, m.self_id, rh))
             others = tuple(p for p in st.roster if p != m.self_id)
             if others:
-                out.append(Send(others, wire.MeanPart(step, m.self_id, j, rh, payload)))
+                out.append(Send(others, wire.MeanPart(step, m.self_id, j, rh, norms, payload)))
 
     def mean(self, out: list[Action], step: int,
              st: InFlight) -> tuple[np.ndarray, tuple[str, ...]] | None:

@@ -23,6 +23,7 @@ lies moves each part of the mean no further than an honest member would.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 
 import numpy as np
@@ -31,8 +32,8 @@ from daisyweb.protocol.averaging import GradientError, Parts, average_parts_in_r
 from daisyweb.protocol.codec import Codec, ErrorFeedback, F32Codec, Int8Codec, decode_parts
 from daisyweb.protocol.influence import clip_factors, squared_norm
 
-__all__ = ["PART_ALIGN", "MeanEncoder", "assemble_mean", "part_bounds", "part_payload",
-           "reduce_part"]
+__all__ = ["MEAN_BOUND", "PART_ALIGN", "MeanEncoder", "assemble_mean", "mean_out_of_bounds",
+           "part_bounds", "part_norms", "part_payload", "reduce_part"]
 
 PART_ALIGN = 256
 """Parts start at multiples of this many values: whole int8 (256) and int4 (64) blocks,
@@ -67,13 +68,23 @@ def part_payload(codec: Codec, payload: bytes, size: int, where: slice) -> bytes
     raise ValueError(f"the owner exchange cannot cut {codec.name} payloads")
 
 
+def part_norms(codec: Codec, payloads: Sequence[bytes], length: int,
+               who: Sequence[str] = ()) -> list[float]:
+    """The squared norm of each member's part (``influence.squared_norm``)."""
+    names = list(who) or [f"member {i}" for i in range(len(payloads))]
+    return [squared_norm(decode_parts(codec, p, length, f"part from {names[i]}"))
+            for i, p in enumerate(payloads)]
+
+
 def reduce_part(codec: Codec, payloads: Sequence[bytes], length: int,
                 shares: Sequence[int] = (), clip: bool = True,
-                who: Sequence[str] = ()) -> tuple[np.ndarray, tuple[int, ...]]:
+                who: Sequence[str] = (), norms2: Sequence[float] | None = None,
+                ) -> tuple[np.ndarray, tuple[int, ...]]:
     """The owner's mean of one part: every member's part payload (roster order) decoded,
-    each clipped against the lower median of their norms, averaged as all-to-all
-    averages (``averaging.average_parts_in_roster_order``). Returns the mean (float32,
-    ``length`` values) and the roster positions that were clipped."""
+    each clipped against the lower median of their norms (``norms2``: :func:`part_norms`,
+    if already known), averaged as all-to-all averages
+    (``averaging.average_parts_in_roster_order``). Returns the mean (float32, ``length``
+    values) and the roster positions that were clipped."""
     names = list(who) or [f"member {i}" for i in range(len(payloads))]
 
     def parts(i: int) -> Parts:  # a part's payload decodes to ranges from 0
@@ -81,7 +92,9 @@ def reduce_part(codec: Codec, payloads: Sequence[bytes], length: int,
 
     factors: tuple[np.float32 | None, ...] = ()
     if clip:
-        factors = clip_factors([squared_norm(parts(i)) for i in range(len(payloads))])
+        if norms2 is None:
+            norms2 = part_norms(codec, payloads, length, names)
+        factors = clip_factors(list(norms2))
     mean = average_parts_in_roster_order([parts(i) for i in range(len(payloads))], length,
                                          shares, factors)
     return mean, tuple(i for i, f in enumerate(factors) if f is not None)
@@ -146,6 +159,32 @@ class MeanEncoder:
         part.residual = self.feedback.residual[where].copy()
         payload, _ = part.encode_decoded(self.codec, mean)
         return payload, part.residual
+
+
+MEAN_BOUND = 3.0
+"""A part's mean, as its owner's bytes decode, may be at most this many times the lower
+median of the members' part norms: the clipped mean's own bound (``CLIP_FACTOR``) with
+room for the owner's rounding and its error feedback's carry."""
+
+
+def mean_out_of_bounds(codec: Codec, payload: bytes, length: int,
+                       norms2: Sequence[float], members: int) -> str | None:
+    """Why a mean part must not be applied, or None: its bytes do not decode to
+    ``length`` finite values, the owner gave other than ``members`` part norms, or the
+    mean's norm is beyond :data:`MEAN_BOUND` times their lower median (what an owner that
+    inflates its part would need to hide behind)."""
+    if len(norms2) != members:
+        return f"{len(norms2)} part norms for {members} members"
+    try:
+        got = squared_norm(decode_parts(codec, payload, length, "mean part"))
+    except GradientError as exc:
+        return str(exc)
+    norms = sorted(math.sqrt(x) for x in norms2)
+    bound = MEAN_BOUND * norms[(len(norms) - 1) // 2]
+    if math.sqrt(got) > bound * (1 + 1e-9):
+        return f"its norm {math.sqrt(got):.4g} is beyond {bound:.4g} ({MEAN_BOUND:g} x the " \
+               f"median part's)"
+    return None
 
 
 def assemble_mean(codec: Codec, payloads: Sequence[bytes], bounds: Sequence[slice],

@@ -299,7 +299,7 @@ class StepMachine:
         elif isinstance(msg, wire.OwnedPart):
             self.owned.on_part(out, peer, msg, now)
         elif isinstance(msg, wire.MeanPart):
-            self.owned.on_mean(out, peer, msg)
+            self.owned.on_mean(out, peer, msg, now)
         elif isinstance(msg, wire.PartRequest):
             self.owned.on_part_request(out, peer, msg, now)
         elif isinstance(msg, wire.MeanRequest):
@@ -685,7 +685,7 @@ class StepMachine:
             # Another cut of the step (a new leader's roster, or the other exchange): what
             # was sent under the old one is void, and our contribution goes out again.
             old_owners = ()
-            st.parts, st.means, st.reduced = {}, {}, {}
+            st.parts, st.means, st.reduced, st.checked = {}, {}, {}, set()
             if not owners and self.self_id in st.payloads:
                 others = tuple(p for p in members if p != self.self_id)
                 out.append(Send(others, wire.Contribution(step, self.self_id,
@@ -699,7 +699,7 @@ class StepMachine:
         self._had_roster = True
         self._left.difference_update(members)  # named again: members again
         if owners:
-            self.owned.roster_named(out, step, st, old_owners)
+            self.owned.roster_named(out, step, st, old_owners, now)
             if self.done:
                 return
         # Contributions received before the roster from non-members are dropped now; the

@@ -260,6 +260,16 @@ def _owners(t: str, name: str, v: Any) -> tuple[str, ...]:
     return tuple(check_id(t, f"{name}[{i}]", m) for i, m in enumerate(v))
 
 
+def _norms(t: str, name: str, v: Any) -> tuple[float, ...]:
+    """Squared norms: finite non-negative floats, at most a roster's worth."""
+    if type(v) not in (list, tuple):
+        raise _fail(t, name, f"expected list of float, got {type(v).__name__}")
+    if len(v) > MAX_MEMBERS:
+        raise _fail(t, name, f"at most {MAX_MEMBERS} norms, got {len(v)}")
+    check = _float(0.0, 1e300)
+    return tuple(check(t, f"{name}[{i}]", x) for i, x in enumerate(v))
+
+
 def _digests(t: str, name: str, v: Any) -> tuple[str, ...]:
     if type(v) not in (list, tuple):
         raise _fail(t, name, f"expected list of str, got {type(v).__name__}")
@@ -553,12 +563,15 @@ class MeanPart(_Msg):
     owner: str
     part: int
     roster_hash: str
+    # the squared norm of each member's part as the owner decoded it, in roster order:
+    # what bounds the mean (``owner_exchange``)
+    norms: tuple[float, ...]
     payload: bytes
 
     type: ClassVar[str] = "mean_part"
     _checks: ClassVar[dict[str, Checker]] = {"step": _step, "owner": _peer,
                                              "part": _int(0, MAX_MEMBERS - 1),
-                                             "roster_hash": _hex,
+                                             "roster_hash": _hex, "norms": _norms,
                                              "payload": _bytes(MAX_PAYLOAD)}
 
 

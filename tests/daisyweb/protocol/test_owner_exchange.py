@@ -12,6 +12,7 @@ import pytest
 from daisyweb.protocol import wire
 from daisyweb.protocol.codec import F32, INT4, Codec
 from daisyweb.protocol.owner_exchange import hand_over
+from daisyweb.protocol.owners import part_bounds
 from daisyweb.training.replay import replay_owned
 from tests.daisyweb.protocol.test_sync import ADAM, Bus, grad_for, initial_params
 
@@ -155,7 +156,10 @@ def test_a_mean_is_relayed_by_the_leader_only() -> None:
     st = bus.machines["b"].ledger.get(0)
     assert st is not None and st.owners == ("a", "b", "c", "d")
     rh = wire.cut_digest(st.roster, st.shares, len(st.owners))
-    forged = wire.MeanPart(0, "d", 3, rh, F32.encode(np.full(SIZE - 768, 9.0, np.float32)))
+    where = part_bounds(SIZE, 4)[3]
+    nine = np.full(where.stop - where.start, 9.0, np.float32)
+    forged = wire.MeanPart(0, "d", 3, rh, (float(np.square(nine).sum()),) * 4,
+                           F32.encode(nine))
     bus.machines["b"].message("c", forged)  # c relays d's mean: not c's to relay
     assert (3, "d") not in st.means
     bus.machines["b"].message("a", forged)  # the leader relays it: taken
@@ -171,8 +175,9 @@ def test_a_mean_from_a_member_that_does_not_own_the_part_is_not_applied() -> Non
     m = bus.machines["b"]
     st = m.ledger.get(0)
     rh = wire.cut_digest(st.roster, st.shares, len(st.owners))
-    where = 512  # c owns part 2 (512..1500); a forges it
-    m.message("a", wire.MeanPart(0, "a", 2, rh, F32.encode(np.zeros(SIZE - where, np.float32))))
+    where = part_bounds(SIZE, 3)[2]  # c owns part 2; a forges it
+    m.message("a", wire.MeanPart(0, "a", 2, rh, (0.0,) * 3,
+                                 F32.encode(np.zeros(where.stop - where.start, np.float32))))
     assert st.mean_of(2, rh) is None
     bus.hold_compute.clear()
     bus.run()
@@ -320,3 +325,52 @@ def test_hand_over_gives_a_lost_owners_parts_to_the_next_live_owner() -> None:
     assert hand_over(("a", "b", "c", "d"), "b", ("a", "c", "d")) == ("a", "c", "c", "d")
     assert hand_over(("a", "b", "c", "d"), "d", ("a", "b", "c")) == ("a", "b", "c", "a")
     assert hand_over(("a", "c", "c", "d"), "c", ("a", "d")) == ("a", "d", "d", "d")
+
+
+def _inflating(bus: Bus, owner: str, step: int, to: set[str] | None = None) -> None:
+    """``owner`` sends a mean of ``step`` 50 times too big (to ``to`` only, if given)."""
+    real = bus.handle
+
+    def handle(peer: str, actions: list) -> None:
+        out = []
+        for a in actions:
+            msg = getattr(a, "message", None)
+            if peer == owner and isinstance(msg, wire.MeanPart) and msg.step == step:
+                big = F32.encode(F32.decode(msg.payload, len(msg.payload) // 4) * 50)
+                bad = wire.MeanPart(msg.step, msg.owner, msg.part, msg.roster_hash,
+                                    msg.norms, big)
+                if to is None:
+                    out.append(type(a)(a.to, bad))
+                    continue
+                out.append(type(a)(tuple(q for q in a.to if q in to), bad))
+                a = type(a)(tuple(q for q in a.to if q not in to), msg)
+            out.append(a)
+        real(peer, out)
+
+    bus.handle = handle  # type: ignore[method-assign]
+
+
+def test_an_owner_whose_mean_is_out_of_bounds_is_excluded_and_its_part_handed_over() -> None:
+    peers = ["a", "b", "c", "d"]
+    bus = _bus(peers, 3)
+    _inflating(bus, "c", 1)
+    bus.start()
+    bus.run()
+    live = ["a", "b", "d"]
+    assert not bus.stopped.get("a") and not bus.stopped.get("b"), bus.stopped
+    assert set(bus.finished) == set(live), (bus.finished, bus.stopped)
+    assert any(e.peer == "c" and "refused" in e.reason for e in bus.excluded), bus.excluded
+    step1 = {c.step: c for c in bus.commits["a"]}[1]
+    assert step1.roster == ("a", "b", "d") and step1.owners == ("a", "b", "d", "d")
+    _check_end(bus, live, 3)
+
+
+def test_an_owner_that_inflates_one_members_copy_is_outvoted_by_the_leaders() -> None:
+    peers = ["a", "b", "c", "d"]
+    bus = _bus(peers, 3)
+    _inflating(bus, "c", 1, to={"b"})  # the leader and d get the honest bytes
+    sent = _traffic(bus)
+    bus.start()
+    bus.run()
+    assert "MeanRequest" in sent  # b refused its copy and asked the leader for its own
+    _check_end(bus, peers, 3)

@@ -66,7 +66,7 @@ SAMPLES = [
     StepHashes(6, "a", H, "cd" * 8, "00", 812.5),  # with the sender's speed
     Roster(7, ["a", "b", "c"], [], 2, ["a", "a", "c"]),  # the parts' owners
     OwnedPart(7, "b", 2, 3, b"\x01\x02\x03"),
-    MeanPart(7, "c", 2, "cd" * 8, b"\x01\x02\x03\x04\x05"),
+    MeanPart(7, "c", 2, "cd" * 8, (1.5, 0.0, 2.0), b"\x01\x02\x03\x04\x05"),
     PartRequest(7, 2, "b"),
     MeanRequest(7, 1),
 ]
