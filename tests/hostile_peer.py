@@ -35,7 +35,7 @@ def _scale() -> None:
 
     def encode(self: Any, vector: np.ndarray) -> bytes:
         real(self, vector)  # keep the bookkeeping
-        codec = self._codec
+        codec = self.codec
         if not hasattr(codec, "nblocks"):
             return real(self, vector)
         nb = codec.nblocks(vector.size)

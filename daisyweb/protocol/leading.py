@@ -105,7 +105,11 @@ class Leader:
 
     def enforce_deadline(self, out: list[Action], now: float) -> None:
         """Leader: leave out of the round in flight each live member whose contribution
-        is later than the deadline (``deadline``); drop one that keeps missing it."""
+        is later than the deadline (``deadline``); drop one that keeps missing it. In the
+        owner exchange a contribution is late when its part of ours is, and an owner whose
+        part's mean is missing twice the deadline after the part was its to reduce is left
+        out too (it withholds the mean, or a member withholds its part from it: once the
+        parts come to us, we find that member ourselves)."""
         m = self.machine
         b = m.boundary
         st = m.ledger.get(b)
@@ -114,18 +118,40 @@ class Leader:
         limit = self.deadline.seconds()
         if now - st.named_at < limit:
             return
-        for p in [p for p in st.roster if self.waits_for(st, p) and m.members.alive(p)]:
-            if p == m.self_id:
-                continue  # our own comes when it comes: we are the one who waits
-            self.amend(out, b, p, now, f"{p} missed the deadline of {m.unit} {b} "
-                                        f"({limit:.1f} s); left out of it")
-            if self.deadline.missed(p):
-                self.exclude(out, b, p, f"{p} missed the deadline of "
-                                         f"{self.deadline.misses[p]} {m.unit}s in a row")
-            else:
-                # Nor is it waited for at the next boundary: it comes back as a joiner
-                # (it finds the group gone on without it, or wakes cut off).
-                m.members.leave(p)
+        for p in [p for p in st.roster if p != m.self_id and m.members.alive(p)
+                  and self._late(st, p)]:
+            self._left_out(out, b, p, now, f"{p} missed the deadline of {m.unit} {b} "
+                                           f"({limit:.1f} s); left out of it")
+        if not st.owners or st.roster is None:
+            return
+        rh = m.owned.roster_hash(st)
+        for j, owner in enumerate(st.owners):
+            if (owner == m.self_id or not m.members.alive(owner)
+                    or st.mean_of(j, rh) is not None):
+                continue
+            if now - st.handed.get(j, st.named_at) >= 2 * limit:
+                self._left_out(out, b, owner, now, f"{owner} sent no mean of part {j} of "
+                                                   f"{m.unit} {b} within {2 * limit:.1f} s; "
+                                                   "left out of it")
+                return  # its parts have a new owner, and its time
+
+    def _late(self, st: InFlight, peer: str) -> bool:
+        """``peer``'s contribution (in the owner exchange: its part of ours) is not in."""
+        if st.owners:
+            me = self.machine.self_id
+            return any(peer not in st.parts.get(j, {}) for j in st.reduces(me))
+        return peer not in st.payloads
+
+    def _left_out(self, out: list[Action], b: int, p: str, now: float, why: str) -> None:
+        m = self.machine
+        self.amend(out, b, p, now, why)
+        if self.deadline.missed(p):
+            self.exclude(out, b, p, f"{p} missed the deadline of "
+                                     f"{self.deadline.misses[p]} {m.unit}s in a row")
+        else:
+            # Nor is it waited for at the next boundary: it comes back as a joiner
+            # (it finds the group gone on without it, or wakes cut off).
+            m.members.leave(p)
 
     def snapshot_went_stale(self, joiner: str) -> bool:
         """Whether the group went on without ``joiner``'s snapshot: a roster of its

@@ -62,6 +62,8 @@ class InFlight:
     reduced: dict[int, str] = field(default_factory=dict)  # part -> roster hash of the
     # mean of it we sent
     asked_means: dict[int, float] = field(default_factory=dict)  # part -> when asked
+    handed: dict[int, float] = field(default_factory=dict)  # part -> when an amendment
+    # handed it to its current owner
 
     def mean_of(self, part: int, roster_hash: str) -> bytes | None:
         """The mean of ``part`` from its owner, reduced over the roster of ``roster_hash``

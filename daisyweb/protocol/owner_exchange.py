@@ -149,6 +149,8 @@ class OwnerExchange:
             return
         # (none of ours yet at a first roster; all of them again on a new cut)
         moved = [j for j, o in enumerate(st.owners) if not old_owners or o != old_owners[j]]
+        if old_owners:
+            st.handed.update((j, now) for j in moved)
         self._send_parts(out, step, st, moved)
         self.try_reduce(out, step)
 

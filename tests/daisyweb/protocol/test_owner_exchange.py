@@ -374,3 +374,62 @@ def test_an_owner_that_inflates_one_members_copy_is_outvoted_by_the_leaders() ->
     bus.run()
     assert "MeanRequest" in sent  # b refused its copy and asked the leader for its own
     _check_end(bus, peers, 3)
+
+
+def test_only_the_silent_member_misses_the_deadline_not_the_owners_waiting_on_it() -> None:
+    """Owners that cannot reduce because one member's part never comes are not late: the
+    deadline leaves out that member only (its part of the leader's is missing too)."""
+    peers = ["a", "b", "c", "d"]
+    bus = _bus(peers, 8, repair_after=100.0)
+    bus.start()
+    while len(bus.commits["a"]) < 4:  # rounds measured: the deadline is FLOOR_S now
+        assert bus.step_once()
+    bus.hold_compute = {"d"}  # from now on d computes nothing (paused)
+    bus.run()
+    while "d" not in {e.peer for e in bus.excluded} and bus.now < 200:
+        bus.advance(1.0)
+    assert {e.peer for e in bus.excluded} == {"d"}, bus.excluded
+    assert "missed the deadline" in next(e.reason for e in bus.excluded if e.peer == "d")
+    bus.run()
+    for _ in range(40):  # (d, cut off, asks to rejoin: its snapshot is waited for, 10 s)
+        bus.advance(1.0)
+    assert set(bus.finished) == {"a", "b", "c"}, (bus.finished, bus.stopped)
+    assert {bus.replicas[p].weight_hash() for p in "abc"} == {_oracle(bus, "a")[-1]}
+
+
+def test_an_owner_that_withholds_its_mean_is_left_out_after_twice_the_deadline() -> None:
+    peers = ["a", "b", "c", "d"]
+    bus = _bus(peers, 8, repair_after=100.0,
+               drop=lambda s, d, m: isinstance(m, wire.MeanPart) and s == "c" and m.step >= 3)
+    bus.start()
+    bus.run()
+    assert len(bus.commits["a"]) == 3  # round 3 waits for c's mean
+    start = bus.now
+    while "c" not in {e.peer for e in bus.excluded} and bus.now < 400:
+        bus.advance(1.0)
+    left = [e for e in bus.excluded if e.peer == "c"]
+    assert left and "sent no mean of part 2" in left[0].reason, bus.excluded
+    assert bus.now - start >= 2 * 3.0  # not before twice the deadline
+    assert {e.peer for e in bus.excluded} == {"c"}
+    for _ in range(40):
+        bus.advance(1.0)
+    assert set(bus.finished) == {"a", "b", "d"}, (bus.finished, bus.stopped)
+    assert {bus.replicas[p].weight_hash() for p in "abd"} == {_oracle(bus, "a")[-1]}
+
+
+def test_the_heir_of_a_part_has_its_own_time_to_reduce_it() -> None:
+    """c withholds its mean; its part goes to d, which then misses b's part of it: d is
+    left out only twice the deadline after it was handed the part, not at once."""
+    peers = ["a", "b", "c", "d"]
+    drop = lambda s, d, m: (isinstance(m, wire.MeanPart) and s == "c" and m.step >= 3) or (  # noqa: E731
+        isinstance(m, wire.OwnedPart) and (s, d, m.part) == ("b", "d", 2))
+    bus = _bus(peers, 8, repair_after=100.0, drop=drop)
+    bus.start()
+    bus.run()
+    while "c" not in {e.peer for e in bus.excluded} and bus.now < 400:
+        bus.advance(1.0)
+    handed = bus.now
+    while "d" not in {e.peer for e in bus.excluded} and bus.now < handed + 60:
+        bus.advance(1.0)
+    assert "sent no mean of part 2" in bus.excluded[-1].reason, bus.excluded
+    assert bus.now - handed >= 2 * 3.0
