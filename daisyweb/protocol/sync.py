@@ -38,6 +38,10 @@ contribution is its gradient). ``replica.step`` is the number of committed updat
    length or any NaN/Inf halts the run at step ``b`` with the replica untouched. When all
    are present they are summed in roster order (``average_parts_in_roster_order``) and
    applied: the step is committed only then. Never a partial average.
+   A roster that names ``owners`` runs the owner exchange instead
+   (``daisyweb.protocol.owner_exchange``): each member sends each part of its
+   contribution to the part's owner only, each owner reduces its part once and sends the
+   encoded mean to every member, and a member commits when it holds every part's mean.
 4. Followers check every hash published by a member of the last roster against their
    own; any mismatch halts (each peer independently, so a fork stops everyone even if
    the leader's ``Halt`` is lost).
