@@ -48,6 +48,12 @@ TINY = ["--width", "32", "--layers", "1", "--heads", "2", "--seq", "32", "--batc
 CLK_TCK = 100  # os.sysconf("SC_CLK_TCK") on Linux
 
 
+def rounds_for(n: int, rounds: int) -> int:
+    """Fewer rounds for big groups: all their peers share this machine's cores (a
+    32-peer all-to-all round takes about 30 s here)."""
+    return max(6, min(rounds, 240 // n))
+
+
 def tiny_size() -> int:
     from daisyweb.data import default_tokenizer
 
@@ -89,7 +95,7 @@ class Row:
 def run_group(n: int, exchange: str, rounds: int, out: Path, server: str,
               prefix: Callable[[int], list[str]], ice: Callable[[int], str],
               # (every member's address: a peer takes only candidates on its list)
-              counters: _bridge.Bridge | None = None, timeout: float = 900.0,
+              counters: _bridge.Bridge | None = None, timeout: float = 1800.0,
               model: Sequence[str] = TINY, h: int = H) -> list[PeerRun]:
     """One group of ``n`` peers for ``rounds`` rounds; each peer's records and its CPU
     time (and interface counters) sampled as each of its round records appeared."""
@@ -266,13 +272,14 @@ def main(argv: Sequence[str] | None = None) -> None:
     rows: list[Row] = []
     for n in sizes:
         for exchange in ("all", "owner"):
-            rows.append(loopback(n, exchange, args.rounds, args.out / f"{exchange}{n}"))
+            rows.append(loopback(n, exchange, rounds_for(n, args.rounds),
+                                 args.out / f"{exchange}{n}"))
             print(_line(rows[-1], payload, solo.cpu_s), flush=True)
     if shaped_sizes and _bridge.unavailable() is None:
         for n in shaped_sizes:
             for exchange in ("all", "owner"):
-                rows.append(shaped(n, exchange, args.rounds, args.out / f"shaped-{exchange}{n}",
-                                   args.rate))
+                rows.append(shaped(n, exchange, rounds_for(n, args.rounds),
+                                   args.out / f"shaped-{exchange}{n}", args.rate))
                 print(_line(rows[-1], payload, solo.cpu_s), flush=True)
     step_s, default_size = default_step_seconds(args.out / "default")
     default_payload = codec_by_name("int4").payload_size(default_size)
@@ -282,7 +289,8 @@ def main(argv: Sequence[str] | None = None) -> None:
         f"On {machine()}, {time.strftime('%Y-%m-%d')}. "
         f"Command: `python -m bench.scale --sizes {args.sizes} --shaped-sizes "
         f"{args.shaped_sizes} --rate {args.rate:g} --rounds {args.rounds}` "
-        f"({time.time() - t0:.0f} s).",
+        f"({time.time() - t0:.0f} s; groups of N run max(6, min({args.rounds}, 240 / N)) "
+        "rounds).",
         f"Tiny model: {size:,} parameters, rounds of {H}, int4: one contribution is "
         f"{payload:,} bytes. Every peer on this machine's 2 cores (aiortc), so a big "
         "group's peers share them: bytes and CPU per round are what they are, wall times "
