@@ -100,6 +100,8 @@ def run_group(n: int, exchange: str, rounds: int, out: Path, server: str,
     """One group of ``n`` peers for ``rounds`` rounds; each peer's records and its CPU
     time (and interface counters) sampled as each of its round records appeared."""
     out.mkdir(parents=True, exist_ok=True)
+    for old in out.glob("p*.jsonl"):
+        old.unlink()  # a peer appends to its metrics file: an earlier run's would count
     room = f"s{n}{exchange}{int(time.time() * 1000) % 10**6}"
     procs: list[subprocess.Popen[bytes]] = []
     paths: list[Path] = []
