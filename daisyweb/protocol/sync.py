@@ -484,6 +484,16 @@ class StepMachine:
         if reason is not None:
             self.stop_run(out, b, reason, broadcast=True)
 
+    def _majority_ended_with_us(self, b: int, electorate: tuple[str, ...]) -> bool:
+        """A strict majority of ``electorate`` (us included) published our weight hash
+        at the run's last boundary ``b``, made with the roster we applied."""
+        own = self.hash_check.book.own.get(b)
+        if own is None:
+            return False
+        have = self.valid_hashes(b)
+        same = sum(1 for p in electorate if p in have and have[p][0] == own[0])
+        return strict_majority(same, len(electorate))
+
     def _maybe_finish(self, out: list[Action], b: int) -> None:
         have = self.valid_hashes(b)
         prev = self.ledger.committed_roster(b - 1)
@@ -852,6 +862,11 @@ class StepMachine:
             electorate = self.electorate() if self._had_roster else ()
             reach = reachable(electorate, self.self_id, self._unlinked)
             if self._had_roster and not strict_majority(reach, len(electorate)):
+                if b >= self.total_steps and self._majority_ended_with_us(b, electorate):
+                    # The members that finished first and left are no partition: the run
+                    # is over, and a majority published the weights we end with.
+                    self.finish_run(out, b)
+                    return
                 self._cut_off(out, f"cut off from the group: {reach} of the last roster's "
                                    f"{len(electorate)} members reachable, no majority")
                 return

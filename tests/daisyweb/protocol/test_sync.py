@@ -892,3 +892,37 @@ def test_a_commit_decodes_part_by_part_and_hands_over_its_mean() -> None:
     assert set(bus.finished) == {"a", "b", "c"} and handed == [True] * 6
     # 3 members, 2 steps, 3 payloads, each decoded twice: its norm, then the average
     assert codec.whole == 0 and codec.parted == 6 * 3 * 2
+
+
+def _hashes_of(src: str, dst: str, step: int) -> Callable[[str, str, wire.Message], bool]:
+    return lambda s, d, m: isinstance(m, wire.StepHashes) and (s, d, m.step) == (
+        src, dst, step)
+
+
+def test_a_leader_whose_members_finished_and_left_finishes_too() -> None:
+    """At the last boundary the members that had every hash finish and leave; a leader
+    still waiting for a slow member's hash is then without a majority: it finishes (a
+    majority published its weights), it is not cut off."""
+    peers = ["a", "b", "c", "d", "e"]
+    bus = Bus(peers, 2, drop=_hashes_of("e", "a", 2))
+    bus.start()
+    bus.run()
+    assert set(bus.finished) == {"b", "c", "d", "e"} and "a" not in bus.finished
+    for p in ("b", "c", "d"):
+        bus.kill(p)
+    assert "a" in bus.finished and bus.machines["a"].phase is Phase.FINISHED
+
+
+def test_a_member_left_alone_at_the_end_without_a_majority_of_its_hash_is_cut_off() -> None:
+    peers = ["a", "b", "c", "d", "e"]
+    def drop(s: str, d: str, m: wire.Message) -> bool:  # the leader hears b's hash only
+        return (isinstance(m, wire.StepHashes) and m.step == 2 and d == "a"
+                and s in ("c", "d", "e"))
+
+    bus = Bus(peers, 2, drop=drop)
+    bus.start()
+    bus.run()
+    for p in ("b", "c", "d"):
+        bus.kill(p)
+    assert "a" not in bus.finished  # only b's hash (and its own) agree: 2 of 5
+    assert bus.machines["a"].phase is Phase.CUT_OFF
