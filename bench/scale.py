@@ -31,7 +31,7 @@ import subprocess
 import sys
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 from bench import _bridge
@@ -90,6 +90,7 @@ class Row:
     exchange_s: float  # median over peers and rounds
     iface_tx: float | None  # interface bytes sent per round over the peers' wire_sent
     owners: bool  # the rounds ran the owner exchange
+    failed: list[str] = field(default_factory=list)  # why earlier attempts of it failed
 
 
 def run_group(n: int, exchange: str, rounds: int, out: Path, server: str,
@@ -189,11 +190,33 @@ def summarize(n: int, exchange: str, runs: list[PeerRun], shaped: bool) -> Row:
                statistics.median(iface) if iface else None, owners)
 
 
-def loopback(n: int, exchange: str, rounds: int, out: Path) -> Row:
-    with signaling_server(out.parent) as server:
-        runs = run_group(n, exchange, rounds, out, server, lambda i: [],
-                         lambda i: "127.0.0.1")
-    return summarize(n, exchange, runs, False)
+def loopback(n: int, exchange: str, rounds: int, out: Path, attempts: int = 2) -> Row:
+    """One group on loopback; a group that fails to form or finish is started again
+    (``attempts`` in all), and the failure is kept for the report."""
+    failed: list[str] = []
+    for attempt in range(attempts):
+        try:
+            with signaling_server(out.parent) as server:
+                runs = run_group(n, exchange, rounds, out / f"try{attempt}", server,
+                                 lambda i: [], lambda i: "127.0.0.1")
+        except SystemExit as exc:
+            failed.append(_first_reason(str(exc), out / f"try{attempt}"))
+            print(f"{n} peers ({exchange}) attempt {attempt + 1} failed: {failed[-1]}",
+                  flush=True)
+            continue
+        row = summarize(n, exchange, runs, False)
+        row.failed = failed
+        return row
+    raise SystemExit(f"{n} peers ({exchange}): {attempts} attempts failed: {failed}")
+
+
+def _first_reason(why: str, out: Path) -> str:
+    """The first "cut off" or "halted" line any peer of a failed group wrote, else ``why``."""
+    for log in sorted(out.glob("p*.log")):
+        for line in log.read_text(errors="replace").splitlines():
+            if "cut off at" in line or "halted at" in line:
+                return line.removeprefix("daisyweb-peer: ")[:200]
+    return why.splitlines()[0][:200]
 
 
 def shaped(n: int, exchange: str, rounds: int, out: Path, rate_mb: float) -> Row:
@@ -302,6 +325,9 @@ def main(argv: Sequence[str] | None = None) -> None:
         "CPU s / round | beyond a group of one | exchange s / round | link |",
         "|---:|---|---:|---:|---:|---:|---:|---:|---|",
         *(_table_row(r, payload, solo.cpu_s, args.rate) for r in rows),
+        "",
+        *(f"- {r.n} peers, {r.exchange}: attempt {k + 1} failed ({why}); the row is the "
+          "next attempt's." for r in rows for k, why in enumerate(r.failed)),
         "",
         f"Group of one: {solo.cpu_s:.3f} CPU s per round. `sent` counts every frame of "
         "every link (heartbeats too); in shaped runs the interfaces sent "
