@@ -108,7 +108,11 @@ def main(argv: Sequence[str] | None = None) -> None:
                              env={"PYTHONPATH": str(ROOT)}, timeout=900)
             line = [ln for ln in r.stdout.splitlines() if ln.startswith("RESULT ")]
             if r.returncode != 0 or not line:
-                raise SystemExit(f"{transport} x{n} failed:\n{r.stdout[-3000:]}")
+                why = next((ln.removeprefix("daisyweb-peer: ") for ln in r.stdout.splitlines()
+                            if "closed" in ln or "ended while idle" in ln), "no result")
+                print(f"{transport} x{n} failed:\n{r.stdout[-3000:]}", flush=True)
+                rows.append({"transport": transport, "n": n, "failed": why[:200]})
+                continue
             rows.append(json.loads(line[-1][len("RESULT "):]))
             row = rows[-1]
             print(f"{transport:9s} {n:3d} peers: CPU {row['cpu_share']:.1%} of a core "
@@ -125,6 +129,10 @@ def main(argv: Sequence[str] | None = None) -> None:
         "|---|---:|---:|---:|---:|---:|---:|---:|",
     ]
     for r in rows:
+        if "failed" in r:
+            lines.append(f"| {r['transport']} | {r['n']} | {r['n'] - 1} | failed: "
+                         f"{r['failed']} | | | | |")
+            continue
         links = max(r["n"] - 1, 1)
         lines.append(f"| {r['transport']} | {r['n']} | {r['n'] - 1} | {r['cpu_share']:.1%} | "
                      f"{r['cpu_share'] / links:.2%} | {r['cpu_max']:.1%} | "
