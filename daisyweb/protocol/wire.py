@@ -250,24 +250,20 @@ def _members(t: str, name: str, v: Any) -> tuple[str, ...]:
     return out
 
 
-def _owners(t: str, name: str, v: Any) -> tuple[str, ...]:
-    """Who reduces each part: peer ids, one member may own several parts."""
-    if type(v) not in (list, tuple):
-        raise _fail(t, name, f"expected list of str, got {type(v).__name__}")
-    if len(v) > MAX_MEMBERS:
-        raise _fail(t, name, f"at most {MAX_MEMBERS} owners, got {len(v)}")
-    check_id = _id()
-    return tuple(check_id(t, f"{name}[{i}]", m) for i, m in enumerate(v))
+def _list_of(item: Checker, what: str) -> Checker:
+    """A list (or tuple) of at most MAX_MEMBERS ``what``s, each checked by ``item``."""
+    def check(t: str, name: str, v: Any) -> tuple[Any, ...]:
+        if type(v) not in (list, tuple):
+            raise _fail(t, name, f"expected list of {what}, got {type(v).__name__}")
+        if len(v) > MAX_MEMBERS:
+            raise _fail(t, name, f"at most {MAX_MEMBERS} {what}s, got {len(v)}")
+        return tuple(item(t, f"{name}[{i}]", x) for i, x in enumerate(v))
+
+    return check
 
 
-def _norms(t: str, name: str, v: Any) -> tuple[float, ...]:
-    """Squared norms: finite non-negative floats, at most a roster's worth."""
-    if type(v) not in (list, tuple):
-        raise _fail(t, name, f"expected list of float, got {type(v).__name__}")
-    if len(v) > MAX_MEMBERS:
-        raise _fail(t, name, f"at most {MAX_MEMBERS} norms, got {len(v)}")
-    check = _float(0.0, 1e300)
-    return tuple(check(t, f"{name}[{i}]", x) for i, x in enumerate(v))
+_owners = _list_of(_id(), "owner")  # who reduces each part: one member may own several
+_norms = _list_of(_float(0.0, 1e300), "norm")  # squared norms: finite, non-negative
 
 
 def _digests(t: str, name: str, v: Any) -> tuple[str, ...]:
