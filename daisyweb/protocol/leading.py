@@ -181,7 +181,7 @@ class Leader:
                             if m.members.alive(p) or not self.waits_for(st, p))
             shares = _kept_shares(st, members)
             owners = st.owners
-            for gone in set(st.roster) - set(members):
+            for gone in [p for p in st.roster if p not in members]:  # in roster order
                 owners = hand_over(owners, gone, members) if owners else ()
             roster = wire.Roster(b, members, shares, m.term, owners)
             out.append(Send(m.members.others(members), roster))
