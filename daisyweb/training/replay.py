@@ -122,12 +122,13 @@ def replay_owned(
     adam_config: AdamConfig,
     steps: Sequence[OwnedSpec],
     codec: Codec,
+    optimizer_state: dict[str, Any] | None = None,
 ) -> list[str]:
     """:func:`replay_hashes` for the owner exchange: each step's mean as
     :class:`OwnedMeans` computes it from the members' payloads (a step without owners
     is all-to-all's)."""
     params = np.array(initial_params, dtype=np.float32, copy=True)
-    opt = DaisyAdam(adam_config, params.size)
+    opt = DaisyAdam(adam_config, params.size, optimizer_state)
     means = OwnedMeans(codec, params.size)
     out: list[str] = []
     for i, (roster, owners, payloads, shares) in enumerate(steps):

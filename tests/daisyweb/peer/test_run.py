@@ -33,7 +33,12 @@ from daisyweb.peer import PeerError, PeerOptions, report, run_peer
 from daisyweb.protocol import budget, framing, wire
 from daisyweb.protocol.codec import codec_by_name
 from daisyweb.training.config import RunConfig
-from daisyweb.training.replay import replay_hashes, replay_owned_rounds, replay_rounds
+from daisyweb.training.replay import (
+    replay_hashes,
+    replay_owned,
+    replay_owned_rounds,
+    replay_rounds,
+)
 from tests.fault_peer import Hooks, faulty
 
 ROOT = Path(__file__).resolve().parents[3]
@@ -187,6 +192,16 @@ def group(server: str, tmp_path: Path, request: pytest.FixtureRequest) -> Iterat
 
 def oracle(g: Group, peer: Peer, start: Checkpoint | None = None) -> list[str]:
     """Replay ``peer``'s committed steps from the dumped gradients (from ``start``)."""
+    if any(r.get("owners") for r in peer.steps()):  # a group of four or more: owners
+        owned = [(r["roster"], tuple(r.get("owners", ())),
+                  {q: (g.grads / f"{q}-{r['step'] - 1}.bin").read_bytes() for q in r["roster"]},
+                  r.get("shares", ())) for r in peer.steps()]
+        if start is not None:
+            return replay_owned(start.params, RunConfig.from_checkpoint(start).adam(), owned,
+                                codec_by_name("f32"), start.adam)
+        tiny = tiny_run()
+        return replay_owned(init_params(tiny.model, tiny.seed), tiny.adam(), owned,
+                            codec_by_name("f32"))
     spec = []
     for r in peer.steps():
         s = r["step"] - 1  # the record's step counts committed updates
