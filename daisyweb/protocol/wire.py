@@ -266,12 +266,7 @@ _owners = _list_of(_id(), "owner")  # who reduces each part: one member may own 
 _norms = _list_of(_float(0.0, 1e300), "norm")  # squared norms: finite, non-negative
 
 
-def _digests(t: str, name: str, v: Any) -> tuple[str, ...]:
-    if type(v) not in (list, tuple):
-        raise _fail(t, name, f"expected list of str, got {type(v).__name__}")
-    if len(v) > MAX_MEMBERS:
-        raise _fail(t, name, f"at most {MAX_MEMBERS} digests, got {len(v)}")
-    return tuple(_hex(t, f"{name}[{i}]", d) for i, d in enumerate(v))
+_digests = _list_of(_hex, "digest")  # contribution digests, in roster order
 
 
 def payload_digest(payload: bytes) -> str:
