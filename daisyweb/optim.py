@@ -44,7 +44,7 @@ import numpy as np
 
 from daisyweb import parallel
 
-__all__ = ["AdamConfig", "DaisyAdam", "weight_hash"]
+__all__ = ["AdamConfig", "DaisyAdam", "powers_for", "weight_hash"]
 
 _F32 = np.dtype(np.float32)
 # Elements per chunk of the update: the chunk of params, grad, m, v and the two scratch
@@ -100,7 +100,7 @@ class AdamConfig:
         return asdict(self)
 
 
-def _powers_for(config: AdamConfig, step: int) -> tuple[float, float]:
+def powers_for(config: AdamConfig, step: int) -> tuple[float, float]:
     """Recompute the running products for ``step`` exactly as :meth:`DaisyAdam.step` does."""
     p1 = 1.0
     p2 = 1.0
@@ -294,7 +294,7 @@ class DaisyAdam:
         for name, val in (("beta1_power", p1), ("beta2_power", p2)):
             if isinstance(val, bool) or not isinstance(val, (float, int, np.floating)):
                 raise ValueError(f"{name} must be a float")
-        e1, e2 = _powers_for(self.config, step)
+        e1, e2 = powers_for(self.config, step)
         if float(p1) != e1 or float(p2) != e2:
             raise ValueError("beta powers are inconsistent with step")
         arrays = {}

@@ -16,8 +16,9 @@ contributions to DIR, and its bytes, the replay oracle's input),
 ``DAISYWEB_TEST_STEP_DELAY=SECONDS``
 (sleep before each contribution, to widen the window for kill tests),
 ``DAISYWEB_TEST_GRADIENT_RAISES=S`` (the step-S computation raises, as a kernel refusing
-a non-finite activation would), ``DAISYWEB_TEST_CORRUPT_SNAPSHOT=byte|hash`` (the leader
-flips one byte of every snapshot it sends, or announces a wrong weight hash with it),
+a non-finite activation would), ``DAISYWEB_TEST_CORRUPT_SNAPSHOT=byte|hash`` (flip one byte
+of every snapshot piece this peer serves, or as leader announce a wrong weight hash in
+every snapshot plan),
 ``DAISYWEB_TEST_PROTOCOL_VERSION=N`` (speak protocol version N),
 ``DAISYWEB_TEST_SLOW_FACTOR=F`` (each contribution takes F times its compute time, as on
 a machine F times slower).
@@ -26,6 +27,7 @@ a machine F times slower).
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import functools
 import os
 import sys
@@ -174,13 +176,13 @@ class FaultyDriver(Driver):
                 del data[-4:]
             return wire.Contribution(msg.step, msg.sender, bytes(data))
         snap = self.hooks.corrupt_snapshot
-        if snap is not None and isinstance(msg, wire.Snapshot):
-            if snap == "byte":  # one flipped byte, which the follower must catch
-                data = bytearray(bytes(msg.payload))
-                data[len(data) // 2] ^= 0x01
-                return wire.Snapshot(msg.step, msg.weight_hash, bytes(data))
+        if snap == "byte" and isinstance(msg, wire.Piece) and msg.payload:
+            data = bytearray(msg.payload)  # one flipped byte, which the joiner must catch
+            data[len(data) // 2] ^= 0x01
+            return wire.Piece(msg.step, msg.piece, bytes(data))
+        if snap == "hash" and isinstance(msg, wire.SnapshotPlan):
             h = msg.weight_hash
-            return wire.Snapshot(msg.step, ("0" if h[0] != "0" else "1") + h[1:], msg.payload)
+            return dataclasses.replace(msg, weight_hash=("0" if h[0] != "0" else "1") + h[1:])
         return msg
 
     # ---- the trainer: a computation that raises or is slow, a weight that forks

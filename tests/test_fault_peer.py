@@ -64,11 +64,15 @@ def test_each_switch_touches_only_its_case() -> None:
     assert len(d._corrupted(GRAD).payload) == len(GRAD.payload) - 4
     other = wire.Contribution(2, "you", GRAD.payload)
     assert d._corrupted(other) is other
-    snap = wire.Snapshot(0, "0f" * 32, b"abc")
-    bad = d._corrupted(snap)
-    assert bad.payload == b"abc" and bad.weight_hash != snap.weight_hash
+    plan = wire.SnapshotPlan(0, "0f" * 32, 0, 9, "ab" * 16, ("cd" * 16,), ("me",))
+    bad = d._corrupted(plan)
+    assert bad.digests == plan.digests and bad.weight_hash != plan.weight_hash
+    piece = wire.Piece(0, 0, b"abcd")
+    assert d._corrupted(piece) is piece  # "hash" flips the plan's hash only
+    flipped = _bare(Hooks(corrupt_snapshot="byte"))._corrupted(piece)
+    assert flipped.payload != piece.payload and len(flipped.payload) == 4
     plain = _bare(Hooks())
-    assert plain._corrupted(GRAD) is GRAD and plain._corrupted(snap) is snap
+    assert plain._corrupted(GRAD) is GRAD and plain._corrupted(plan) is plan
 
 
 def test_broken_kernel_switch_changes_the_probe() -> None:

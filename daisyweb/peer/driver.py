@@ -24,7 +24,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from daisyweb.checkpoints.checkpoint import TokenizerInfo, checkpoint_to_file
+from daisyweb.checkpoints.checkpoint import TokenizerInfo
 from daisyweb.data import Tokenizer, builtin_tokens
 from daisyweb.net import (
     BadMessage,
@@ -59,11 +59,11 @@ from daisyweb.peer.items import (
 )
 from daisyweb.peer.memory import keep_step_buffers
 from daisyweb.peer.options import PeerError, PeerOptions, log, mesh_transport_options
+from daisyweb.peer.pieces import PieceServer, plan_for
 from daisyweb.peer.report import Report
-from daisyweb.peer.spill import SpillArchive, Spooler
+from daisyweb.peer.spill import SpillArchive
 from daisyweb.protocol import budget, sync, wire
 from daisyweb.protocol.influence import CLIP_FACTOR
-from daisyweb.protocol.wire import SpooledBytes
 from daisyweb.training.rounds import BatchFn, Contribution, HeadStart, RoundTrainer
 from daisyweb.training.state import TrainState, probe_hash
 
@@ -92,10 +92,10 @@ class Driver:
                  state: TrainState | None, mesh_factory: MeshFactory | None) -> None:
         self.mesh_factory = mesh_factory
         self.opts = opts
-        self.spooler = Spooler()  # snapshots go out from a file
-        # The snapshot of the current boundary, written once for every joiner offered
+        # The plan of the current boundary's pieces, made once for every joiner offered
         # one there (a 24-peer start offers 23 at boundary 0); a commit makes it stale.
-        self.snapshot: tuple[int, bytes | SpooledBytes, str] | None = None
+        self.plan: wire.SnapshotPlan | None = None
+        self.pieces = PieceServer()  # what this member serves joiners of the boundary
         self.version = wire.PROTOCOL_VERSION  # what this peer speaks and announces
         self.tok = tok
         self.tokinfo = tokinfo
@@ -278,7 +278,8 @@ class Driver:
         start = await handshake.await_snapshot(
             self.queue, self._peer_connected, self._peer_gone, self.version, self.tokinfo,
             self.opts.join_timeout, self.mesh.self_id, lambda: self.mesh.members,
-            rejoining=self.cut_off is not None, signaling_up=self._signaling_up)
+            rejoining=self.cut_off is not None, signaling_up=self._signaling_up,
+            send=self._send, connected=lambda: self.outboxes.connected)
         self.state = state = start.state
         try:
             self._make_replica(state)
@@ -465,7 +466,13 @@ class Driver:
         ev = item.event
         if isinstance(ev, Received):
             msg = ev.message
-            if isinstance(msg, (wire.Config, wire.Snapshot, wire.Heartbeat)):
+            if isinstance(msg, wire.PieceRequest):
+                assert self.state is not None
+                self._send((ev.peer,), self.pieces.serve(ev.peer, msg, self.state,
+                                                         self.trainer.step))
+                return
+            if isinstance(msg, (wire.Config, wire.SnapshotPlan, wire.Piece,
+                                wire.Heartbeat)):
                 return  # start handshake messages after the start: nothing to do
             if isinstance(msg, wire.Following) and not msg.leader:
                 self._send((ev.peer,), self._following())  # a rejoining peer asks who leads
@@ -493,7 +500,7 @@ class Driver:
                 self.report.computing(a.step)
                 self.tasks.append(asyncio.create_task(self._compute(a.step, a.sequences)))
             elif isinstance(a, sync.Commit):
-                self.snapshot = None  # the boundary moved (or a rollback recommitted)
+                self.plan = None  # the boundary moved (or a rollback recommitted)
                 if a.clipped:
                     log(f"{self._unit()} {a.step}: held the contribution of "
                         f"{', '.join(a.clipped)} to {CLIP_FACTOR:g}x the median norm")
@@ -501,7 +508,7 @@ class Driver:
                 await self.report.commit(a, self.trainer, self.state, self.encoder,
                                          self.machine.total_steps, self.mesh)
             elif isinstance(a, sync.SendSnapshot):
-                self._send_snapshot(a.peer, a.step)
+                self._send_snapshot(a.peer, a.step, a.holders)
             elif isinstance(a, sync.Excluded):
                 log(f"excluded {a.peer}: {a.reason}")
             elif isinstance(a, sync.Finish):
@@ -556,21 +563,18 @@ class Driver:
         """The batches of a share of ``rows`` sequences per inner step."""
         return self.feed.batch if rows == self.feed.run.batch else self.feed.rows(rows)
 
-    def _send_snapshot(self, peer: str, step: int) -> None:
+    def _send_snapshot(self, peer: str, step: int, holders: tuple[str, ...]) -> None:
         assert self.state is not None
         if self.trainer.step != step:  # cannot happen: the machine asks at its boundary
-            log(f"not sending a snapshot of {self._unit()} {step} from {self.trainer.step}")
+            log(f"not offering {self._unit()} {step} from {self.trainer.step}")
             return
-        if self.snapshot is None or self.snapshot[0] != step:
-            # Not copied: the arrays are written out right here, on the event loop, before
-            # anything can replace or step them; joiners download them from that file.
-            ckpt = self.state.checkpoint(self.tokinfo, copy=False)
-            spooled = self.spooler.spool(lambda f: checkpoint_to_file(ckpt, f))
-            self.snapshot = step, spooled, self.state.weight_hash()
-        _, payload, weight_hash = self.snapshot
+        if self.plan is None or self.plan.step != step or self.plan.holders != holders:
+            self.plan = plan_for(self.state, step, self.trainer.weight_hash(), holders,
+                                 (self.tokinfo.vocab_size, self.tokinfo.file_hash))
         self._send((peer,), self.state.run.to_wire())
-        self._send((peer,), wire.Snapshot(step, weight_hash, payload))
-        log(f"sent snapshot of {self._unit()} {step} ({len(payload):,} bytes) to {peer}")
+        self._send((peer,), self.plan)
+        log(f"offered {self._unit()} {step} to {peer} in pieces from "
+            f"{len(holders)} member{'s' if len(holders) != 1 else ''}")
 
     async def _finish(self) -> int:
         assert self.result is not None and self.state is not None

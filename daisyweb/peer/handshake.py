@@ -1,11 +1,12 @@
 """The start handshake: the leader's starting state and its wait for ``--wait-peers``;
 a follower's wait for ``Config`` + ``Snapshot`` and their validation.
 
-The leader (``--start``) sends ``Config`` then ``Snapshot`` (checkpoint bytes of the
-current boundary) to each peer that connects; a follower validates both -- the config by
-the wire decoder and ``RunConfig``, the snapshot with the checkpoint rules (model,
-tokenizer) and against the snapshot's weight hash -- before its state machine starts.
-Mid-run joins use the same path at a step boundary.
+The leader (``--start``) sends ``Config`` then a ``SnapshotPlan`` of the current
+boundary to each peer that connects; a follower validates the config (the wire decoder
+and ``RunConfig``), downloads the state in pieces from every holder the plan names at
+once, each piece checked as it comes, and checks the whole against the group's hash
+(``daisyweb.peer.pieces``) before its state machine starts. Mid-run joins use the same
+path at a step boundary.
 
 Version handshake: the first message to every newly connected peer is
 ``Hello(self, version)``, then ``Following(leader)``: who the sender follows (the leader
@@ -20,26 +21,26 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import functools
 import time
 from collections import Counter, deque
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Collection, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
 from daisyweb.checkpoints.checkpoint import (
     CheckpointError,
     TokenizerInfo,
-    checkpoint_from_bytes,
     load_checkpoint,
 )
 from daisyweb.data import Tokenizer, default_tokenizer
 from daisyweb.net import PeerDown, PeerUp, Received
 from daisyweb.peer.exchange import make_trainer
 from daisyweb.peer.items import Interrupt, Item, MeshItem
-from daisyweb.peer.options import PeerError, PeerOptions
+from daisyweb.peer.options import PeerError, PeerOptions, log
+from daisyweb.peer.pieces import Download, PieceError, PlanStale
 from daisyweb.protocol import wire
 from daisyweb.training.config import RunConfig, run_config
-from daisyweb.training.rounds import rounds_before
 from daisyweb.training.state import TrainState
 
 __all__ = ["BUFFER_BEFORE_START", "FollowerStart", "SignalingGone", "agreed_leader",
@@ -208,38 +209,65 @@ class FollowerStart:
     term: int = 0  # the term the leader declared itself for
 
 
+Send = Callable[[tuple[str, ...], wire.Message], None]
+
+
 async def await_snapshot(queue: asyncio.Queue[Item], on_up: Callable[[str], None],
                          on_down: Callable[[str], None], version: int,
                          tokinfo: TokenizerInfo, join_timeout: float,
                          self_id: str = "",
                          members: Callable[[], Sequence[str]] = tuple,
                          rejoining: bool = False,
-                         signaling_up: Callable[[], bool] = lambda: True) -> FollowerStart:
-    """Wait for Config + Snapshot from the group's leader (:func:`agreed_leader`);
-    buffer everything else meanwhile. ``rejoining``: this peer was cut off from its
+                         signaling_up: Callable[[], bool] = lambda: True,
+                         send: Send = lambda _to, _msg: None,
+                         connected: Callable[[], Collection[str]] = tuple,
+                         ) -> FollowerStart:
+    """Wait for Config + SnapshotPlan from the group's leader (:func:`agreed_leader`),
+    download the plan's pieces (asking with ``send`` the holders among ``connected()``),
+    and buffer everything else meanwhile. ``rejoining``: this peer was cut off from its
     group and joins it again (only the lines that say what went wrong differ).
     :class:`SignalingGone` when ``signaling_up()`` turns False meanwhile (checked at
     least at every item: the driver's ticks come five times a second)."""
     deadline = time.monotonic() + join_timeout
     held: deque[Item] = deque(maxlen=BUFFER_BEFORE_START)
     configs: dict[str, wire.Config] = {}
-    snapshots: dict[str, wire.Snapshot] = {}  # the last one per sender, checked if chosen
+    plans: dict[str, wire.SnapshotPlan] = {}  # the last one per sender, used if chosen
     versions: dict[str, int] = {}  # peers whose Hello announced another version
     claims: dict[str, str] = {}  # peer -> the leader it follows ("" not started)
     terms: dict[str, int] = {}  # peer -> the term of the leader it follows
+    download: Download | None = None
+    tokenizer = (tokinfo.vocab_size, tokinfo.file_hash)
+
+    def ask(requests: list[tuple[str, wire.PieceRequest]]) -> None:
+        for peer, request in requests:
+            send((peer,), request)
+
     while True:
         if not signaling_up():
             raise SignalingGone
         group = tuple(members())  # the signaling server's members, as of now
         leader = agreed_leader(claims, group, self_id)
-        if leader is not None and leader in snapshots and leader in configs:
-            start = _checked_start(leader, configs[leader], snapshots[leader], tokinfo, held)
-            start.term = terms.get(leader, 0)
-            return start
-        left = deadline - time.monotonic()
+        now = time.monotonic()
+        if leader is not None and leader in plans and leader in configs and (
+                download is None or download.plan is not plans[leader]):
+            try:
+                run = RunConfig.from_wire(configs[leader])
+                download = Download(leader, run, plans[leader], tokenizer,
+                                    set(connected()), now)
+            except (PieceError, ValueError, wire.WireError) as exc:
+                raise PeerError(1, f"refused the snapshot from {leader}: {exc}") from None
+            ask(download.requests())
+        if download is not None:
+            if leader is not None and download.leader != leader:
+                download = None  # the group names another leader now: its plan is awaited
+            elif download.done:
+                return _checked_start(download, held, terms.get(leader, 0))
+            else:
+                ask(_refusing(download, download.tick, now))
+        left = deadline - now
         if left <= 0:
             cut = "cut off from its group, this peer could not rejoin: " if rejoining else ""
-            if snapshots:
+            if plans:
                 raise PeerError(3, f"{cut}no snapshot from a leader the group agrees on "
                                    f"within {join_timeout:g} s: "
                                    + _disagreement(claims, group, self_id))
@@ -250,7 +278,7 @@ async def await_snapshot(queue: asyncio.Queue[Item], on_up: Callable[[str], None
             raise PeerError(3, f"no leader sent a run within {join_timeout:g} s "
                                "(start one peer with --start)")
         try:
-            item = await asyncio.wait_for(queue.get(), left)
+            item = await asyncio.wait_for(queue.get(), min(left, 1.0))
         except TimeoutError:
             continue
         if isinstance(item, Interrupt):
@@ -263,8 +291,13 @@ async def await_snapshot(queue: asyncio.Queue[Item], on_up: Callable[[str], None
             continue
         if isinstance(ev, PeerDown):
             on_down(ev.peer)
-            for known in (configs, snapshots, claims):
+            for known in (configs, plans, claims):
                 known.pop(ev.peer, None)
+            if download is not None and ev.peer == download.leader:
+                download = None  # the group's next leader offers another plan
+            elif download is not None:
+                ask(_refusing(download, functools.partial(download.peer_down, ev.peer),
+                              time.monotonic()))
             continue
         if not isinstance(ev, Received):
             continue
@@ -275,7 +308,8 @@ async def await_snapshot(queue: asyncio.Queue[Item], on_up: Callable[[str], None
                 claims.setdefault(ev.peer, "")  # it is excluded; it has no say
             held.append(item)  # the state machine refuses a non-leader one later
             continue
-        if ev.peer in versions and isinstance(msg, (wire.Config, wire.Snapshot, wire.Halt)):
+        if ev.peer in versions and isinstance(msg, (wire.Config, wire.SnapshotPlan,
+                                                    wire.Halt)):
             # Only a leader sends these (a Halt: it excluded us for our version).
             raise PeerError(1, f"refused the leader {ev.peer}: it speaks protocol "
                                f"version {versions[ev.peer]}, this peer speaks "
@@ -288,25 +322,51 @@ async def await_snapshot(queue: asyncio.Queue[Item], on_up: Callable[[str], None
         if isinstance(msg, wire.Config):
             configs[ev.peer] = msg
             continue
-        if isinstance(msg, wire.Snapshot) and ev.peer in configs:
-            snapshots[ev.peer] = msg
+        if isinstance(msg, wire.SnapshotPlan) and ev.peer in configs:
+            plans[ev.peer] = msg
+            continue
+        if isinstance(msg, wire.Piece):
+            if download is not None:
+                try:
+                    ask(download.received(ev.peer, msg, time.monotonic()))
+                except PlanStale:
+                    # The leader went on without us: it offers another plan when it
+                    # hears that we still wait for one.
+                    log(f"the snapshot of {download.plan.step} went stale; asking "
+                        f"{download.leader} again")
+                    send((download.leader,), wire.Following(""))
+                    plans.pop(download.leader, None)
+                    download = None
+                except PieceError as exc:
+                    raise PeerError(1, f"refused the snapshot from {download.leader}: "
+                                       f"{exc}") from None
             continue
         held.append(item)
 
 
-def _checked_start(leader: str, config: wire.Config, snapshot: wire.Snapshot,
-                   tokinfo: TokenizerInfo, held: deque[Item]) -> FollowerStart:
-    """Validate the chosen leader's config and snapshot (refused: exit 1, one line)."""
+def _refusing(download: Download,
+              step: Callable[[float], list[tuple[str, wire.PieceRequest]]],
+              now: float) -> list[tuple[str, wire.PieceRequest]]:
+    """``step(now)`` of ``download``; a failure is the leader's: refused, exit 1."""
     try:
-        run = RunConfig.from_wire(config)
-        ckpt = checkpoint_from_bytes(snapshot.payload, expect_model=run.model,
-                                     expect_tokenizer=tokinfo)
-        state = TrainState.from_checkpoint(ckpt, run, copy=False)  # ckpt is dropped
-    except (CheckpointError, ValueError, wire.WireError) as exc:
-        raise PeerError(1, f"refused the snapshot from {leader}: {exc}") from None
-    boundary = (state.step if run.sync_every == 1
-                else rounds_before(state.step, run.steps, run.sync_every))
-    if boundary != snapshot.step or state.weight_hash() != snapshot.weight_hash:
-        raise PeerError(1, f"refused the snapshot from {leader}: its weight hash or "
-                           "step does not match what it announced")
-    return FollowerStart(leader, run, state, snapshot.weight_hash, held)
+        return step(now)
+    except PieceError as exc:
+        raise PeerError(1, f"refused the snapshot from {download.leader}: {exc}") from None
+
+
+def _checked_start(download: Download, held: deque[Item], term: int) -> FollowerStart:
+    """The downloaded state, checked against the group's hash (refused: exit 1)."""
+    try:
+        state = download.state()
+    except (PieceError, ValueError) as exc:
+        raise PeerError(1, f"refused the snapshot from {download.leader}: {exc}") from None
+    if download.fresh is not None:
+        log(f"made the state of boundary {download.plan.step} from the run's seed "
+            "(its hash is the group's)")
+    else:
+        served = ", ".join(f"{download.served_by[p]} from {p}"
+                           for p in download.plan.holders if p in download.served_by)
+        log(f"took the state of boundary {download.plan.step} in {download.layout.count} "
+            f"pieces: {served}")
+    return FollowerStart(download.leader, download.run, state, download.plan.weight_hash,
+                         held, term)

@@ -91,10 +91,13 @@ class Commit:
 
 @dataclass(frozen=True)
 class SendSnapshot:
-    """Leader only: send config + snapshot of the current boundary ``step`` to ``peer``."""
+    """Leader only: offer ``peer`` the state of the current boundary ``step``: the config
+    and a plan of its pieces, each asked of one of ``holders`` (members whose hash at
+    ``step`` is the leader's, the leader among them; ``daisyweb.peer.pieces``)."""
 
     peer: str
     step: int
+    holders: tuple[str, ...] = ()
 
 
 @dataclass(frozen=True)

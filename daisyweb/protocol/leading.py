@@ -194,7 +194,13 @@ class Leader:
             return
         if b < m.total_steps:
             # Joiners get a snapshot of this boundary before its roster is named.
-            out.extend(SendSnapshot(p, b) for p in m.members.offer_snapshots(b, now))
+            # Every member whose hash is ours holds the boundary: each serves a share of
+            # the pieces.
+            own = have.get(m.self_id, ("",))[0]
+            holders = tuple(dict.fromkeys([*(p for p in expected if have[p][0] == own),
+                                           m.self_id]))
+            out.extend(SendSnapshot(p, b, holders)
+                       for p in m.members.offer_snapshots(b, now))
             # The group waits for a joiner's confirmation no longer than its snapshot
             # takes (measured per snapshot; the snapshots of one boundary share the
             # leader's uplink, so as many times longer); a later one finds the group

@@ -38,6 +38,9 @@ __all__ = [
     "Following",
     "Config",
     "Snapshot",
+    "SnapshotPlan",
+    "PieceRequest",
+    "Piece",
     "Roster",
     "Contribution",
     "StepHashes",
@@ -60,7 +63,7 @@ __all__ = [
 # The messages below, as every peer of this version speaks them; a peer announcing another
 # version in its Hello is never listened to (protocol.leading). It goes up with any change
 # of a message's fields.
-PROTOCOL_VERSION = 7
+PROTOCOL_VERSION = 8
 
 # Limits. Generous for the project's models, small enough that a hostile peer
 # cannot make us allocate without bound.
@@ -400,6 +403,65 @@ class Snapshot(_Msg):
 
 
 @dataclass(frozen=True)
+class SnapshotPlan(_Msg):
+    """The leader's offer of boundary ``step`` to a joiner, which downloads the state in
+    pieces from every holder at once (``daisyweb.peer.pieces``). ``weight_hash`` is the
+    group's hash at the boundary (what every member published); ``inner_step`` is the
+    optimizer's step count (its beta powers follow from it); ``digests`` are the shared
+    pieces' digests (:func:`payload_digest`), in piece order; ``holders`` are the members
+    that hold the boundary's state (the leader among them): piece k is asked of holder
+    k mod n."""
+
+    step: int
+    weight_hash: str
+    inner_step: int
+    vocab_size: int
+    tokenizer_hash: str
+    digests: tuple[str, ...]
+    holders: tuple[str, ...]
+
+    type: ClassVar[str] = "snapshot_plan"
+    _checks: ClassVar[dict[str, Checker]] = {
+        "step": _step,
+        "weight_hash": _hex,
+        "inner_step": _step,
+        "vocab_size": _dim,
+        "tokenizer_hash": _hex,
+        "digests": _digests,
+        "holders": _members,
+    }
+
+
+@dataclass(frozen=True)
+class PieceRequest(_Msg):
+    """A joiner asks a holder for piece ``piece`` of the state at boundary ``step``."""
+
+    step: int
+    piece: int
+
+    type: ClassVar[str] = "piece_request"
+    _checks: ClassVar[dict[str, Checker]] = {"step": _step,
+                                             "piece": _int(0, MAX_MEMBERS - 1)}
+
+
+@dataclass(frozen=True)
+class Piece(_Msg):
+    """Piece ``piece`` of the state at boundary ``step`` (little-endian float32); empty:
+    the sender does not hold that boundary (any more) or will not serve it again."""
+
+    step: int
+    piece: int
+    payload: bytes
+
+    type: ClassVar[str] = "piece"
+    _checks: ClassVar[dict[str, Checker]] = {
+        "step": _step,
+        "piece": _int(0, MAX_MEMBERS - 1),
+        "payload": _bytes(MAX_PAYLOAD, multiple=4),
+    }
+
+
+@dataclass(frozen=True)
 class Roster(_Msg):
     """The members of step ``step`` in summation order. ``shares`` (capacity-weighted
     batches) gives each member's number of sequences, in the same order; empty: every
@@ -624,8 +686,9 @@ class Halt(_Msg):
 
 
 Message = (
-    Hello | Following | Config | Snapshot | Roster | Contribution | StepHashes | RepairRequest
-    | OwnedPart | MeanPart | PartRequest | MeanRequest | Heartbeat | Halt
+    Hello | Following | Config | Snapshot | SnapshotPlan | PieceRequest | Piece | Roster
+    | Contribution | StepHashes | RepairRequest | OwnedPart | MeanPart | PartRequest
+    | MeanRequest | Heartbeat | Halt
 )
 
 MESSAGE_TYPES: dict[str, type[_Msg]] = {
@@ -635,6 +698,9 @@ MESSAGE_TYPES: dict[str, type[_Msg]] = {
         Following,
         Config,
         Snapshot,
+        SnapshotPlan,
+        PieceRequest,
+        Piece,
         Roster,
         Contribution,
         StepHashes,

@@ -4,12 +4,14 @@ group names, never whoever sends a config and snapshot first (issue 14, finding 
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 
+import numpy as np
 import pytest
 
-from daisyweb.checkpoints.checkpoint import checkpoint_to_bytes
 from daisyweb.model import ModelConfig
 from daisyweb.net import PeerDown, PeerUp, Received
+from daisyweb.peer.exchange import make_trainer
 from daisyweb.peer.handshake import (
     agreed_leader,
     await_snapshot,
@@ -18,6 +20,7 @@ from daisyweb.peer.handshake import (
 )
 from daisyweb.peer.items import MeshItem
 from daisyweb.peer.options import PeerError
+from daisyweb.peer.pieces import PieceServer, plan_for
 from daisyweb.protocol import wire
 from daisyweb.training.config import RunConfig
 from daisyweb.training.state import TrainState
@@ -43,12 +46,22 @@ def test_agreed_leader_is_the_majoritys_and_names_itself() -> None:
     assert agreed_leader({}, ("J",), "J") is None
 
 
-def _run_and_snapshot(seed: int) -> tuple[wire.Config, wire.Snapshot, str]:
+def _run_and_plan(seed: int, holders: tuple[str, ...], fresh: bool = False
+                  ) -> tuple[wire.Config, wire.SnapshotPlan, TrainState]:
     model = ModelConfig(vocab=TOKINFO.vocab_size, width=16, layers=1, heads=2, seq=16)
-    run = RunConfig(model=model, batch=2, steps=8, lr=0.01, seed=seed)
+    run = RunConfig(model=model, batch=2, steps=8, lr=0.01, seed=seed, sync_every=1,
+                    codec="f32")
     state = TrainState.fresh(run)
-    payload = checkpoint_to_bytes(state.checkpoint(TOKINFO))
-    return run.to_wire(), wire.Snapshot(0, state.weight_hash(), payload), state.weight_hash()
+    if not fresh:  # past the first boundary, which a joiner makes from the seed itself
+        state.apply(np.full(state.size, 0.5, np.float32))
+    plan = plan_for(state, state.step, _hash(state), holders,
+                    (TOKINFO.vocab_size, TOKINFO.file_hash))
+    return run.to_wire(), plan, state
+
+
+def _hash(state: TrainState) -> str:
+    """The group's hash of ``state`` (in rounds: the shared part)."""
+    return make_trainer(state).weight_hash()
 
 
 def _say(queue: asyncio.Queue, peer: str, *msgs: wire.Message) -> None:
@@ -56,60 +69,155 @@ def _say(queue: asyncio.Queue, peer: str, *msgs: wire.Message) -> None:
         queue.put_nowait(MeshItem(Received(peer, m)))
 
 
-async def _join(queue: asyncio.Queue, members: tuple[str, ...], timeout: float = 5.0):
+def _holders(queue: asyncio.Queue, states: dict[str, TrainState]):
+    """A ``send`` whose piece requests every peer in ``states`` answers from its state."""
+    servers = {p: PieceServer() for p in states}
+
+    def send(to: tuple[str, ...], msg: wire.Message) -> None:
+        for p in to:
+            if isinstance(msg, wire.PieceRequest) and p in states:
+                _say(queue, p, servers[p].serve("J", msg, states[p], states[p].step))
+    return send
+
+
+async def _join(queue: asyncio.Queue, members: tuple[str, ...], states: dict[str, TrainState],
+                timeout: float = 5.0):
     return await await_snapshot(queue, lambda _p: None, lambda _p: None,
                                 wire.PROTOCOL_VERSION, TOKINFO, timeout, "J",
-                                lambda: members)
+                                lambda: members, send=_holders(queue, states),
+                                connected=lambda: members)
 
 
 async def test_a_pretender_that_speaks_first_is_not_followed() -> None:
     queue: asyncio.Queue = asyncio.Queue()
-    fake_cfg, fake_snap, _ = _run_and_snapshot(seed=666)
-    real_cfg, real_snap, real_hash = _run_and_snapshot(seed=3)
+    fake_cfg, fake_plan, fake = _run_and_plan(666, ("A",))
+    real_cfg, real_plan, real = _run_and_plan(3, ("L", "F"))
     v = wire.PROTOCOL_VERSION
     # the pretender A reaches the joiner first, naming itself, with a valid run
-    _say(queue, "A", wire.Hello("A", v), wire.Following("A"), fake_cfg, fake_snap)
+    _say(queue, "A", wire.Hello("A", v), wire.Following("A"), fake_cfg, fake_plan)
     _say(queue, "L", wire.Hello("L", v), wire.Following("L"))
     _say(queue, "F", wire.Hello("F", v), wire.Following("L"))
-    _say(queue, "L", real_cfg, real_snap)
-    start = await _join(queue, ("L", "F", "A", "J"))
-    assert start.leader == "L" and start.weight_hash == real_hash
+    _say(queue, "L", real_cfg, real_plan)
+    start = await _join(queue, ("L", "F", "A", "J"), {"L": real, "F": real, "A": fake})
+    assert start.leader == "L" and start.weight_hash == _hash(real)
+    assert _hash(start.state) == _hash(real)
 
 
 async def test_a_tie_is_refused_naming_who_said_what() -> None:
     queue: asyncio.Queue = asyncio.Queue()
-    cfg, snap, _ = _run_and_snapshot(seed=3)
+    cfg, plan, state = _run_and_plan(3, ("A", "L"))
     v = wire.PROTOCOL_VERSION
-    _say(queue, "A", wire.Hello("A", v), wire.Following("A"), cfg, snap)
-    _say(queue, "L", wire.Hello("L", v), wire.Following("L"), cfg, snap)
+    _say(queue, "A", wire.Hello("A", v), wire.Following("A"), cfg, plan)
+    _say(queue, "L", wire.Hello("L", v), wire.Following("L"), cfg, plan)
     with pytest.raises(PeerError) as e:
-        await _join(queue, ("L", "A", "J"), timeout=0.5)
+        await _join(queue, ("L", "A", "J"), {"L": state, "A": state}, timeout=0.5)
     assert e.value.code == 3
     assert "A follows A" in str(e.value) and "L follows L" in str(e.value)
 
 
 async def test_the_leader_alone_with_a_joiner_is_followed_and_a_dead_claim_is_forgotten() -> None:
     queue: asyncio.Queue = asyncio.Queue()
-    cfg, snap, h = _run_and_snapshot(seed=3)
+    cfg, plan, state = _run_and_plan(3, ("L",))
     v = wire.PROTOCOL_VERSION
     members = ["L", "A", "J"]
-    _say(queue, "A", wire.Hello("A", v), wire.Following("A"), cfg, snap)
+    _say(queue, "A", wire.Hello("A", v), wire.Following("A"), cfg, plan)
     _say(queue, "L", wire.Hello("L", v), wire.Following("L"))
     queue.put_nowait(MeshItem(PeerDown("A", "closed")))
-    _say(queue, "L", cfg, snap)
+    _say(queue, "L", cfg, plan)
 
     async def join() -> object:
         return await await_snapshot(queue, lambda _p: None, lambda p: members.remove(p),
-                                    v, TOKINFO, 5.0, "J", lambda: tuple(members))
+                                    v, TOKINFO, 5.0, "J", lambda: tuple(members),
+                                    send=_holders(queue, {"L": state}),
+                                    connected=lambda: tuple(members))
 
     start = await join()
-    assert start.leader == "L" and start.weight_hash == h
+    assert start.leader == "L" and start.weight_hash == _hash(state)
+
+
+async def test_a_holder_lost_mid_download_is_replaced_by_the_leader() -> None:
+    queue: asyncio.Queue = asyncio.Queue()
+    cfg, plan, state = _run_and_plan(3, ("L", "F"))
+    v = wire.PROTOCOL_VERSION
+    _say(queue, "L", wire.Hello("L", v), wire.Following("L"))
+    _say(queue, "F", wire.Hello("F", v), wire.Following("L"), cfg)
+    _say(queue, "L", cfg, plan)
+    leader_only = _holders(queue, {"L": state})
+
+    def send(to: tuple[str, ...], msg: wire.Message) -> None:
+        if to == ("F",):  # F never answers: its link goes down instead
+            queue.put_nowait(MeshItem(PeerDown("F", "closed")))
+        leader_only(to, msg)
+
+    start = await await_snapshot(queue, lambda _p: None, lambda _p: None, v, TOKINFO, 5.0,
+                                 "J", lambda: ("L", "F", "J"), send=send,
+                                 connected=lambda: ("L", "F"))
+    assert _hash(start.state) == _hash(state)
+
+
+async def test_a_stale_plan_is_asked_for_again_and_the_next_one_followed() -> None:
+    queue: asyncio.Queue = asyncio.Queue()
+    cfg, plan, state = _run_and_plan(3, ("L",))
+    v = wire.PROTOCOL_VERSION
+    _say(queue, "L", wire.Hello("L", v), wire.Following("L"), cfg, plan)
+    asked: list[wire.Message] = []
+    answer = _holders(queue, {"L": state})
+
+    def send(to: tuple[str, ...], msg: wire.Message) -> None:
+        asked.append(msg)
+        if isinstance(msg, wire.PieceRequest) and not any(
+                isinstance(m, wire.Following) for m in asked):
+            _say(queue, "L", wire.Piece(msg.step, msg.piece, b""))  # the group went on
+        elif isinstance(msg, wire.Following):
+            _say(queue, "L", cfg, dataclasses.replace(plan))  # a new plan (a new object)
+        else:
+            answer(to, msg)
+
+    start = await await_snapshot(queue, lambda _p: None, lambda _p: None, v, TOKINFO, 5.0,
+                                 "J", lambda: ("L", "J"), send=send,
+                                 connected=lambda: ("L",))
+    assert wire.Following("") in asked
+    assert _hash(start.state) == _hash(state)
+
+
+async def test_the_first_boundary_is_made_from_the_seed_without_a_piece() -> None:
+    queue: asyncio.Queue = asyncio.Queue()
+    cfg, plan, state = _run_and_plan(3, ("L",), fresh=True)
+    v = wire.PROTOCOL_VERSION
+    _say(queue, "L", wire.Hello("L", v), wire.Following("L"), cfg, plan)
+    sent: list[wire.Message] = []
+    start = await await_snapshot(queue, lambda _p: None, lambda _p: None, v, TOKINFO, 5.0,
+                                 "J", lambda: ("L", "J"),
+                                 send=lambda _to, msg: sent.append(msg),
+                                 connected=lambda: ("L",))
+    assert sent == [] and _hash(start.state) == _hash(state)
+    # a leader resumed at step 0 from other weights: the pieces are downloaded
+    cfg, plan, other = _run_and_plan(3, ("L",), fresh=True)
+    other.params += np.float32(1.0)
+    plan = dataclasses.replace(plan, weight_hash=_hash(other),
+                               digests=plan_for(other, 0, _hash(other), ("L",),
+                                                (TOKINFO.vocab_size,
+                                                 TOKINFO.file_hash)).digests)
+    _say(queue, "L", wire.Hello("L", v), wire.Following("L"), cfg, plan)
+    start = await _join(queue, ("L", "J"), {"L": other})
+    assert _hash(start.state) == _hash(other) != _hash(state)
+
+
+async def test_a_leader_that_announces_a_wrong_hash_is_refused() -> None:
+    queue: asyncio.Queue = asyncio.Queue()
+    cfg, plan, state = _run_and_plan(3, ("L",))
+    v = wire.PROTOCOL_VERSION
+    _say(queue, "L", wire.Hello("L", v), wire.Following("L"), cfg,
+         dataclasses.replace(plan, weight_hash="00" * 32))
+    with pytest.raises(PeerError) as e:
+        await _join(queue, ("L", "J"), {"L": state})
+    assert e.value.code == 1
+    assert str(e.value).startswith("refused the snapshot from L: its weight hash or step")
 
 
 # ------------------------------------------------------------- --resume --steps
 def _finished_checkpoint(tmp_path, steps: int = 3):
     """A finished 3-step lockstep run's checkpoint (trained alone, for speed)."""
-    import numpy as np
 
     from daisyweb.checkpoints.checkpoint import save_checkpoint
     from daisyweb.protocol.averaging import average_in_roster_order

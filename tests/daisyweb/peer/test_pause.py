@@ -71,7 +71,7 @@ def test_a_peer_paused_10_s_rejoins_and_the_group_keeps_one_model(group: Group,
         assert codes[paused.name] != 0 and "could not rejoin" in text, logs
     survivors = [p for p in peers if p is not paused]
     # every line counts in the unit it names: the leader's snapshots are of rounds
-    assert any("sent snapshot of round" in p.log.read_text() for p in survivors), logs
+    assert any("offered round" in p.log.read_text() for p in survivors), logs
     if who == "leader":
         assert any("leading now" in p.log.read_text() for p in survivors), logs
     # the group goes on: its longest wait for a commit is the pause's detection, not more

@@ -499,13 +499,21 @@ def test_dropped_gradient_is_repaired_bit_exact(group: Group) -> None:
     assert same_hashes(lead, a, b) == oracle(group, lead)
 
 
-def test_fourth_peer_joins_a_running_group(group: Group) -> None:
+def test_fourth_peer_joins_a_running_group_in_pieces_from_its_members(group: Group) -> None:
+    # b serves every piece with one byte flipped: the joiner asks the leader for those
     lead = group.leader(*MODEL, "--steps", "8", "--wait-peers", "3", env=SLOW)
     a = group.spawn("a", env=SLOW)
-    b = group.spawn("b", env=SLOW)
+    b = group.spawn("b", env={**SLOW, "DAISYWEB_TEST_CORRUPT_SNAPSHOT": "byte"})
     _wait_step(lead, 2)
     late = group.spawn("late", env=SLOW)
     assert [p.wait() for p in (lead, a, b, late)] == [0, 0, 0, 0], group.logs()
+    took = [ln for ln in late.log.read_text().splitlines() if "took the state" in ln]
+    assert len(took) == 1 and "in 15 pieces: " in took[0], took
+    assert sorted(took[0].split(": ")[-1].split(", ")) == sorted(
+        [f"5 from {a.id()}", f"10 from {lead.id()}"]), took
+    offered = [ln for ln in lead.log.read_text().splitlines()
+               if f"to {late.id()} in pieces" in ln]
+    assert len(offered) == 1 and offered[0].endswith("from 3 members"), offered
     first = late.steps()[0]["step"]
     assert first > 2 and [r["step"] for r in late.steps()] == list(range(first, 9))
     assert all(len(r["roster"]) == 4 for r in late.steps())  # contributes from its first step
@@ -740,24 +748,26 @@ def test_gradient_exception_in_a_real_peer_halts_every_peer(group: Group) -> Non
 
 @pytest.mark.parametrize("kind", ["byte", "hash"])
 def test_follower_refuses_a_bad_snapshot_from_a_real_leader(group: Group, kind: str) -> None:
-    # The leader (a test switch only it reads) sends a damaged payload or announces a
-    # wrong weight hash; the follower must refuse before its state machine starts.
-    lead = group.leader(*MODEL, "--steps", "3", "--wait-peers", "2",
-                        env={"DAISYWEB_TEST_CORRUPT_SNAPSHOT": kind})
+    # The leader (a test switch only it reads) serves damaged pieces or announces a
+    # wrong weight hash; the follower joining mid-run (the first boundary it would make
+    # from the seed) must refuse before its state machine starts.
+    lead = group.leader(*MODEL, "--steps", "6",
+                        env={**SLOW, "DAISYWEB_TEST_CORRUPT_SNAPSHOT": kind})
+    _wait_step(lead, 1)
     f = group.spawn("f")
     assert f.wait() == 1, group.logs()
     log = f.log.read_text()
     lines = [ln for ln in log.splitlines() if "refused the snapshot from" in ln]
     assert len(lines) == 1, log
     assert lines[0].startswith(f"daisyweb-peer: refused the snapshot from {lead.id()}: ")
-    if kind == "hash":
-        assert "weight hash or step does not match" in lines[0]
+    assert ("weight hash or step does not match" if kind == "hash"
+            else "does not match its digest") in lines[0]
     assert "Traceback" not in log
     # Its state is never used: no step, no end record, no machine started.
     assert f.records() == [] and "following" not in log
     assert lead.wait() == 0, group.logs()
-    assert [r["roster"] for r in lead.steps()] == [[lead.id()]] * 3
-    assert "sent snapshot of step 0" in lead.log.read_text()
+    assert [r["roster"] for r in lead.steps()] == [[lead.id()]] * 6
+    assert f"to {f.id()} in pieces from 1 member" in lead.log.read_text()
 
 
 @pytest.mark.parametrize("who", ["follower", "leader"])
@@ -782,7 +792,7 @@ def test_peers_of_another_protocol_version_are_refused(group: Group, who: str) -
         assert "Traceback" not in log
     # Nothing of the other version was used: no snapshot, no roster, no state.
     assert f.records() == [] and "following" not in flog
-    assert "sent snapshot" not in llog
+    assert "offered step" not in llog
     assert [r["roster"] for r in lead.steps()] == [[lead.id()]] * 3
 
 
@@ -1223,20 +1233,27 @@ def test_peer_over_the_reassembly_budget_loses_its_links_and_the_group_trains_on
     assert same_hashes(lead, a) == oracle(group, lead)
 
 
-def test_in_process_a_boundarys_snapshot_is_written_once_for_every_joiner(
+def test_in_process_a_start_costs_the_leader_one_plan_and_no_piece(
         tmp_path: Path, server: str, monkeypatch: pytest.MonkeyPatch) -> None:
-    """Four peers start at once: the leader offers three joiners the snapshot of boundary
-    0 and writes it once (a 24-peer start wrote 23 copies on a starved event loop)."""
-    from daisyweb.peer.spill import Spooler
+    """Four peers start at once: the leader makes the plan of boundary 0 once for its
+    three joiners (a 24-peer start made 23 copies on a starved event loop), and each
+    joiner makes that boundary from the run's seed: no piece crosses the wire."""
+    from daisyweb.peer import driver
+    from daisyweb.peer.pieces import PieceServer
 
-    spooled: list[int] = []
-    real = Spooler.spool
+    plans: list[int] = []
+    served: list[int] = []
+    real_plan, real_serve = driver.plan_for, PieceServer.serve
 
-    def counting(self: Spooler, write):  # type: ignore[no-untyped-def]
-        payload = real(self, write)
-        spooled.append(len(payload))
-        return payload
+    def counting_plan(*args, **kwargs):  # type: ignore[no-untyped-def]
+        plans.append(1)
+        return real_plan(*args, **kwargs)
 
-    monkeypatch.setattr(Spooler, "spool", counting)
+    def counting_serve(self, *args, **kwargs):  # type: ignore[no-untyped-def]
+        served.append(1)
+        return real_serve(self, *args, **kwargs)
+
+    monkeypatch.setattr(driver, "plan_for", counting_plan)
+    monkeypatch.setattr(PieceServer, "serve", counting_serve)
     assert asyncio.run(_group(tmp_path, server, 4, 2)) == [0, 0, 0, 0]
-    assert len(spooled) == 1, spooled
+    assert (len(plans), len(served)) == (1, 0)

@@ -69,6 +69,10 @@ SAMPLES = [
     MeanPart(7, "c", 2, "cd" * 8, (1.5, 0.0, 2.0), b"\x01\x02\x03\x04\x05"),
     PartRequest(7, 2, "b"),
     MeanRequest(7, 1),
+    wire.SnapshotPlan(8, H, 128, 256, "ab" * 32, ("cd" * 16, "ef" * 16), ("a", "b")),
+    wire.PieceRequest(8, 5),
+    wire.Piece(8, 5, struct.pack("<2f", 1.0, 0.5)),
+    wire.Piece(8, 6, b""),  # refused
 ]
 
 
