@@ -15,10 +15,11 @@ the comparison is fair). Each measurement moves the same bytes between TWO PROCE
 * ``wire_both``: ``Mesh.send`` both ways at once, each process pinned to its own core
   (what a link in a training group does);
 * ``tcp``: plain asyncio streams, one write + drain per message;
-* ``snapshot``: a joiner's start: the leader writes the checkpoint of a fresh model
-  (the default, and width 256 / 6 layers) to a spill file and sends it from there as a
-  ``wire.Snapshot`` (``peer.spill.Spooler``, as the peer does), the joiner
-  reads and verifies it (``checkpoint_from_bytes``, weight hash) and acknowledges.
+* ``snapshot``: a joiner's start past the first boundary: the leader offers the state of a
+  model one step in (the default, and width 256 / 6 layers) as a ``wire.SnapshotPlan``,
+  the joiner asks for every piece (``peer.pieces.Download``), the leader serves them
+  (``peer.pieces.PieceServer``, as a peer does), the joiner checks each and the whole
+  against the announced hash and acknowledges. One holder: the leader's uplink alone.
 
 A round sends ``count`` messages back to back; the receiver acknowledges the last one
 with a tiny message, and goodput = payload bytes / (first send .. ack received). Methods
@@ -523,37 +524,56 @@ def _snap_child(conn: Connection, url: str, model: dict[str, int], transport: st
 
 async def _snap_receiver(conn: Connection, url: str, model: dict[str, int],
                          transport: str) -> None:
-    from daisyweb.checkpoints.checkpoint import checkpoint_from_bytes
     from daisyweb.net.mesh import Mesh, Received
+    from daisyweb.peer.pieces import Download
     from daisyweb.protocol import wire
-    from daisyweb.training.state import TrainState
+    from daisyweb.training.config import RunConfig
 
+    _, info = _state(model)
     m = Mesh(url, room=ROOM, name="joiner", ice_hosts=[LOOPBACK], transport=transport)
     await m.start()
+    config: wire.Config | None = None
+    download: Download | None = None
     try:
         while True:
             e = await m.next_event()
-            if isinstance(e, Received) and isinstance(e.message, wire.Snapshot):
-                ck = checkpoint_from_bytes(e.message.payload)
-                if TrainState.from_checkpoint(ck).weight_hash() != e.message.weight_hash:
-                    raise SystemExit("snapshot did not verify")
-                await m.send(e.peer, wire.Halt(step=0, reason="ack"))
-                break
+            if not isinstance(e, Received):
+                continue
+            msg = e.message
+            if isinstance(msg, wire.Config):
+                config = msg
+            elif isinstance(msg, wire.SnapshotPlan) and config is not None:
+                download = Download(e.peer, RunConfig.from_wire(config), msg,
+                                    (info.vocab_size, info.file_hash), {e.peer},
+                                    time.monotonic())
+                for peer, request in download.requests():
+                    await m.send(peer, request)
+            elif isinstance(msg, wire.Piece) and download is not None:
+                if download.received(e.peer, msg, time.monotonic()):
+                    raise SystemExit("a piece did not verify")
+                if download.done:
+                    download.state()  # checked against the announced hash, or raises
+                    await m.send(e.peer, wire.Halt(step=0, reason="ack"))
+                    break
         await _recv(conn)
     finally:
         await m.close()
 
 
 async def _snapshot_once(model: dict[str, int], transport: str) -> tuple[float, int]:
+    import numpy as np
     from aiohttp import web
 
-    from daisyweb.checkpoints.checkpoint import checkpoint_to_file
     from daisyweb.net.mesh import Mesh, PeerUp, Received
-    from daisyweb.peer.spill import Spooler
+    from daisyweb.peer.exchange import make_trainer
+    from daisyweb.peer.pieces import PieceServer, plan_for
     from daisyweb.protocol import wire
     from signaling.server import create_app
 
     state, info = _state(model)
+    # One step in: the first boundary a joiner would make from the run's seed itself.
+    state.apply(np.full(state.size, 1e-3, np.float32))
+    trainer = make_trainer(state)
     runner = web.AppRunner(create_app())
     await runner.setup()
     site = web.TCPSite(runner, LOOPBACK, 0)
@@ -562,21 +582,28 @@ async def _snapshot_once(model: dict[str, int], transport: str) -> tuple[float, 
     m = Mesh(url, room=ROOM, name="leader", ice_hosts=[LOOPBACK], transport=transport)
     await m.start()
     proc, conn = _child(_snap_child, url, model, transport)
+    server, sent = PieceServer(), 0
     try:
         while not isinstance(e := await asyncio.wait_for(m.next_event(), 60), PeerUp):
             pass
         t0 = time.perf_counter()
-        # As a leader does (peer.driver): written to a spill file, framed as it is read.
-        ckpt = state.checkpoint(info, copy=False)
-        payload = Spooler().spool(lambda file: checkpoint_to_file(ckpt, file))
-        await m.send(e.peer, wire.Snapshot(0, state.weight_hash(), payload))
-        while not (isinstance(r := await asyncio.wait_for(m.next_event(), 300), Received)
-                   and isinstance(r.message, wire.Halt)):
-            pass
+        # As a leader does (peer.driver): the plan, then each piece as it is asked for.
+        plan = plan_for(state, trainer.step, trainer.weight_hash(), (m.self_id,),
+                        (info.vocab_size, info.file_hash))
+        await m.send(e.peer, state.run.to_wire())
+        await m.send(e.peer, plan)
+        while True:
+            r = await asyncio.wait_for(m.next_event(), 300)
+            if isinstance(r, Received) and isinstance(r.message, wire.PieceRequest):
+                piece = server.serve(r.peer, r.message, state, trainer.step)
+                sent += len(piece.payload)
+                await m.send(r.peer, piece)
+            elif isinstance(r, Received) and isinstance(r.message, wire.Halt):
+                break
         seconds = time.perf_counter() - t0
         conn.send("stop")
         await asyncio.get_running_loop().run_in_executor(None, proc.join, 30)
-        return seconds, len(payload)
+        return seconds, sent
     finally:
         if proc.is_alive():
             proc.kill()
@@ -585,7 +612,7 @@ async def _snapshot_once(model: dict[str, int], transport: str) -> tuple[float, 
 
 
 def measure_snapshots(transports: tuple[str, ...]) -> list[str]:
-    rows = ["| model | snapshot bytes | " + " | ".join(f"{t} s" for t in transports) + " |",
+    rows = ["| model | piece bytes | " + " | ".join(f"{t} s" for t in transports) + " |",
             "|---|---:|" + "---:|" * len(transports)]
     for label, model in MODELS.items():
         cells, size = [], 0
@@ -645,9 +672,10 @@ def run(cfg: Config) -> str:
         "",
         "### Handing a joiner its snapshot",
         "",
-        "From the leader building the checkpoint of a fresh model to the joiner having "
-        "read and verified it (weight hash) and said so: one `wire.Snapshot` through "
-        "`Mesh.send`, one run each.",
+        "From the leader's plan of a model one step in to the joiner having every piece, "
+        "checked (digests, then the whole against the announced hash), and said so: "
+        "`wire.SnapshotPlan` then a `wire.PieceRequest`/`wire.Piece` per piece through "
+        "`Mesh.send`, all from one holder, one run each.",
         "",
         *snapshots,
     ]

@@ -1,5 +1,4 @@
-"""What a leader sends or keeps rarely, in files instead of memory: its older repair
-payloads, and a snapshot while a joiner downloads it.
+"""What a leader keeps rarely, in a file instead of memory: its older repair payloads.
 
 The leader keeps every member's payloads of the last ``sync.HISTORY`` committed steps
 (8 rounds) to resend them to a member that fell behind; only the last
@@ -18,27 +17,19 @@ The file lives in ``$TMPDIR`` if set, else ``/var/tmp`` (on disk where ``/tmp`` 
 RAM-backed tmpfs, which would keep the bytes in memory after all), else the system's
 temporary directory. If a file cannot be made or written, the step's payloads stay in
 memory and the peer says so once.
-
-A snapshot (16 MB at the demo default) is written once and sent once, over seconds at a
-data channel's rates: :class:`Spooler` writes it to an unlinked file and the frames are
-read from it as they go out (``wire.SpooledBytes``), so the leader never holds the whole
-payload meanwhile: held in memory, it would set the leader's peak resident memory
-(docs/limits.md, section 1).
 """
 
 from __future__ import annotations
 
-import io
 import os
 import tempfile
 import zlib
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Iterator, Mapping
 from typing import BinaryIO
 
 from daisyweb.peer.options import log
-from daisyweb.protocol.wire import SpooledBytes
 
-__all__ = ["SpillArchive", "SpilledPayloads", "Spooler", "spill_dir"]
+__all__ = ["SpillArchive", "SpilledPayloads", "spill_dir"]
 
 
 def spill_dir(environ: Mapping[str, str] | None = None) -> str:
@@ -119,38 +110,3 @@ class SpillArchive:
             log(f"cannot keep repair payloads in {self.directory} ({exc}); "
                 f"keeping them in memory")
         return dict(payloads)
-
-
-class Spooler:
-    """Payloads to send once, each written to an unlinked file in :func:`spill_dir`."""
-
-    def __init__(self, directory: str | None = None) -> None:
-        self.directory = directory or spill_dir()
-        self.failed = False  # said once: later payloads stay in memory quietly
-
-    def spool(self, write: Callable[[BinaryIO], None]) -> bytes | SpooledBytes:
-        """What ``write`` writes into an empty file: in a file, else (no file could be
-        made or written) in memory. ``write``'s own errors are raised."""
-        try:
-            file = tempfile.TemporaryFile(dir=self.directory, prefix="daisyweb-send-")
-        except OSError as exc:
-            return self._in_memory(write, exc)
-        try:
-            write(file)
-            file.flush()
-            return SpooledBytes(file, file.tell())
-        except OSError as exc:
-            file.close()
-            return self._in_memory(write, exc)
-        except BaseException:
-            file.close()
-            raise
-
-    def _in_memory(self, write: Callable[[BinaryIO], None], exc: OSError) -> bytes:
-        if not self.failed:
-            self.failed = True
-            log(f"cannot write payloads to send in {self.directory} ({exc}); "
-                f"keeping them in memory")
-        buf = io.BytesIO()
-        write(buf)
-        return buf.getvalue()

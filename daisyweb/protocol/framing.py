@@ -31,7 +31,7 @@ import struct
 from collections import OrderedDict
 from collections.abc import Iterator, Sequence
 
-from daisyweb.protocol.wire import MAX_U64, Part, SpooledBytes, WireError
+from daisyweb.protocol.wire import MAX_U64, Part, WireError
 
 __all__ = ["MAX_FRAME", "HEADER_SIZE", "CHUNK", "BudgetExceeded", "frame", "frame_id",
            "iter_frames", "Reassembler"]
@@ -63,27 +63,25 @@ def iter_frames(msg_bytes: bytes | Sequence[Part], msg_id: int) -> Iterator[byte
     message is not copied into a list of frames first). Checked before the first one.
 
     ``msg_bytes`` may also be a sequence of parts (``wire.encode_parts``): the frames
-    are those of the parts' concatenation, which is never made. A part may be
-    ``wire.SpooledBytes``: its chunks are read from its file as the frames are made.
+    are those of the parts' concatenation, which is never made.
     """
     if type(msg_id) is not int or not 0 <= msg_id <= MAX_U64:
         raise WireError(f"msg_id must be a u64, got {msg_id!r}")
     parts = [msg_bytes] if isinstance(msg_bytes, (bytes, bytearray, memoryview)) else (
         list(msg_bytes) if isinstance(msg_bytes, (list, tuple)) else [msg_bytes])
     for part in parts:
-        if not isinstance(part, (bytes, bytearray, memoryview, SpooledBytes)):
+        if not isinstance(part, (bytes, bytearray, memoryview)):
             raise WireError(f"message must be bytes, got {type(part).__name__}")
-    views = [p if type(p) is SpooledBytes else memoryview(p).cast("B") for p in parts]
+    views = [memoryview(p).cast("B") for p in parts]
     total = sum(len(v) for v in views)
     if not 1 <= total <= _MAX_TOTAL_FIELD:
         raise WireError(f"message length {total} not in [1, {_MAX_TOTAL_FIELD}]")
     count = _count_for(total)
     h = hashlib.blake2b(digest_size=8)
     for v in views:
-        for block in (v.blocks() if type(v) is SpooledBytes else (v,)):
-            h.update(block)
+        h.update(v)
     digest = h.digest()
-    if len(views) == 1 and type(views[0]) is not SpooledBytes:
+    if len(views) == 1:
         data = views[0]
         return (
             _HEADER.pack(_MAGIC, msg_id, i, count, total, digest)
@@ -93,20 +91,14 @@ def iter_frames(msg_bytes: bytes | Sequence[Part], msg_id: int) -> Iterator[byte
     return _frames_of_parts(views, msg_id, count, total, digest)
 
 
-def _slice(part: memoryview | SpooledBytes, start: int, stop: int) -> bytes | memoryview:
-    if type(part) is SpooledBytes:
-        return part.read(start, min(stop, len(part)))
-    return part[start:stop]
-
-
-def _frames_of_parts(views: list[memoryview | SpooledBytes], msg_id: int, count: int,
+def _frames_of_parts(views: list[memoryview], msg_id: int, count: int,
                      total: int, digest: bytes) -> Iterator[bytes]:
     starts = [0]
     for v in views:
         starts.append(starts[-1] + len(v))
     for i in range(count):
         lo, hi = i * CHUNK, min((i + 1) * CHUNK, total)
-        chunk = [_slice(v, max(lo - a, 0), hi - a)
+        chunk = [v[max(lo - a, 0):hi - a]
                  for v, a, b in zip(views, starts, starts[1:], strict=False)
                  if a < hi and b > lo]
         yield b"".join([_HEADER.pack(_MAGIC, msg_id, i, count, total, digest), *chunk])

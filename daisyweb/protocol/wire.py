@@ -17,12 +17,11 @@ from __future__ import annotations
 
 import hashlib
 import math
-import os
 import re
 import struct
 from collections.abc import Callable
 from dataclasses import dataclass, fields
-from typing import Any, BinaryIO, ClassVar
+from typing import Any, ClassVar
 
 import msgpack
 
@@ -31,13 +30,11 @@ from daisyweb import rules
 __all__ = [
     "encode_parts",
     "Part",
-    "SpooledBytes",
     "PROTOCOL_VERSION",
     "WireError",
     "Hello",
     "Following",
     "Config",
-    "Snapshot",
     "SnapshotPlan",
     "PieceRequest",
     "Piece",
@@ -166,44 +163,6 @@ def _hex(t: str, name: str, v: Any) -> str:
     return v
 
 
-class SpooledBytes:
-    """Bytes a sender keeps in a file instead of memory, to send once: a snapshot's
-    payload (16 MB at the demo default), written to an unlinked file and framed from it
-    as it goes out (:func:`encode_parts`, ``framing.iter_frames``), so a leader never
-    holds it in memory while a joiner downloads it. On the wire they are plain bytes: a
-    receiver always gets ``bytes``. The file is the holder's alone (never written
-    again) and closed when the last reference goes.
-    """
-
-    __slots__ = ("_file", "_size")
-
-    def __init__(self, file: BinaryIO, size: int) -> None:
-        self._file = file
-        self._size = size
-
-    def __len__(self) -> int:
-        return self._size
-
-    def read(self, start: int, stop: int) -> bytes:
-        """Bytes ``[start, stop)``, all of them (a short read is an error)."""
-        n = stop - start
-        data = os.pread(self._file.fileno(), n, start) if n > 0 else b""
-        if len(data) != n:
-            raise WireError(f"spooled bytes: read {len(data)} of {n} bytes at {start}")
-        return data
-
-    def __bytes__(self) -> bytes:
-        """All of them, in memory (a caller that needs the whole payload at once)."""
-        return self.read(0, self._size)
-
-    def blocks(self, size: int = 1 << 20) -> Any:
-        """All the bytes, ``size`` at a time (an iterator)."""
-        return (self.read(lo, min(lo + size, self._size)) for lo in range(0, self._size, size))
-
-    def __del__(self) -> None:
-        self._file.close()
-
-
 def _bytes(max_len: int, multiple: int = 1) -> Checker:
     def check(t: str, name: str, v: Any) -> bytes:
         if type(v) is not bytes:
@@ -213,20 +172,6 @@ def _bytes(max_len: int, multiple: int = 1) -> Checker:
         if len(v) % multiple:
             raise _fail(t, name, f"payload length {len(v)} not a multiple of {multiple}")
         return v
-
-    return check
-
-
-def _payload(max_len: int) -> Checker:
-    """Bytes, or on the sending side :class:`SpooledBytes` of the same bound."""
-    plain = _bytes(max_len)
-
-    def check(t: str, name: str, v: Any) -> bytes | SpooledBytes:
-        if type(v) is SpooledBytes:
-            if len(v) > max_len:
-                raise _fail(t, name, f"payload too long ({len(v)} > {max_len})")
-            return v
-        return plain(t, name, v)
 
     return check
 
@@ -386,20 +331,6 @@ class Config(_Msg):
             rules.check_rounds(self.sync_every, self.codec, self.outer_lr, self.overlap)
         except ValueError as exc:
             raise _fail(self.type, "overlap", str(exc)) from None
-
-
-@dataclass(frozen=True)
-class Snapshot(_Msg):
-    step: int
-    weight_hash: str
-    payload: bytes | SpooledBytes  # spooled only on the sending side: decoded, bytes
-
-    type: ClassVar[str] = "snapshot"
-    _checks: ClassVar[dict[str, Checker]] = {
-        "step": _step,
-        "weight_hash": _hex,
-        "payload": _payload(MAX_PAYLOAD),
-    }
 
 
 @dataclass(frozen=True)
@@ -686,7 +617,7 @@ class Halt(_Msg):
 
 
 Message = (
-    Hello | Following | Config | Snapshot | SnapshotPlan | PieceRequest | Piece | Roster
+    Hello | Following | Config | SnapshotPlan | PieceRequest | Piece | Roster
     | Contribution | StepHashes | RepairRequest | OwnedPart | MeanPart | PartRequest
     | MeanRequest | Heartbeat | Halt
 )
@@ -697,7 +628,6 @@ MESSAGE_TYPES: dict[str, type[_Msg]] = {
         Hello,
         Following,
         Config,
-        Snapshot,
         SnapshotPlan,
         PieceRequest,
         Piece,
@@ -728,32 +658,23 @@ def _as_map(msg: Message) -> dict[str, Any]:
 
 def encode(msg: Message) -> bytes:
     """Message -> msgpack bytes (a map with ``type`` plus every field)."""
-    d = _as_map(msg)
-    if any(type(v) is SpooledBytes for v in d.values()):
-        return b"".join(bytes(p) if type(p) is SpooledBytes else p for p in _parts(d))
-    return msgpack.packb(d, use_bin_type=True)
+    return msgpack.packb(_as_map(msg), use_bin_type=True)
 
 
 _BIG_FIELD = 1 << 16  # a trailing bytes field from this size on is sent from its own buffer
 
 
-Part = bytes | memoryview | SpooledBytes
+Part = bytes | memoryview
 
 
 def encode_parts(msg: Message) -> tuple[Part, ...]:
     """``encode(msg)`` as parts whose concatenation is exactly those bytes: a big bytes
-    field at the end (a snapshot's payload) is a part of its own, a view of the
-    message's buffer (or the :class:`SpooledBytes` themselves), so sending it never
-    copies the whole message once more."""
-    return _parts(_as_map(msg))
-
-
-def _parts(d: dict[str, Any]) -> tuple[Part, ...]:
-    """:func:`encode_parts` of a message's map (``_as_map``)."""
+    field at the end (a contribution's payload) is a part of its own, a view of the
+    message's buffer, so sending it never copies the whole message once more."""
+    d = _as_map(msg)
     last = next(reversed(d))  # msgpack packs a map in this order: the last field last
     big = d[last]
-    spooled = type(big) is SpooledBytes
-    if not spooled and (not isinstance(big, bytes) or len(big) < _BIG_FIELD):
+    if not isinstance(big, bytes) or len(big) < _BIG_FIELD:
         return (msgpack.packb(d, use_bin_type=True),)
     d[last] = b""
     head = msgpack.packb(d, use_bin_type=True)  # ends in a bin8 of length 0
@@ -764,7 +685,7 @@ def _parts(d: dict[str, Any]) -> tuple[Part, ...]:
     # msgpack's own choice of bin header: the shortest that holds n
     size = (b"\xc4" + struct.pack(">B", n) if n < 1 << 8 else
             b"\xc5" + struct.pack(">H", n) if n < 1 << 16 else b"\xc6" + struct.pack(">I", n))
-    return head[:-2] + size, big if spooled else memoryview(big)
+    return head[:-2] + size, memoryview(big)
 
 
 def decode(data: bytes, max_len: int = MAX_MESSAGE) -> Message:

@@ -32,7 +32,7 @@ from daisyweb.checkpoints.checkpoint import (
 from daisyweb.checkpoints.ptfile import PtFormatError, load_pt, save_pt
 from daisyweb.model import ModelConfig, param_count, param_layout
 from daisyweb.optim import AdamConfig, DaisyAdam, weight_hash
-from daisyweb.protocol import framing, wire
+from daisyweb.protocol import framing
 
 MODEL = ModelConfig(vocab=50, width=8, layers=1, heads=2, seq=4)
 TOK = TokenizerInfo(vocab_size=50, file_hash="ab" * 32)
@@ -255,32 +255,30 @@ def test_checkpoint_module_never_imports_torch(tmp_path):
                    timeout=60)
 
 
-def test_bytes_travel_as_snapshot_payload():
+def test_bytes_travel_framed_and_are_checked_against_what_was_announced():
     model = ModelConfig(vocab=64, width=16, layers=2, heads=2, seq=8)
     ckpt = _ckpt(seed=3, model=model)
     payload = checkpoint_to_bytes(ckpt)
-    msg = wire.Snapshot(step=ckpt.step, weight_hash=ckpt.weight_hash, payload=payload)
-    frames = framing.frame(wire.encode(msg), msg_id=9)
+    frames = framing.frame(payload, msg_id=9)
     assert len(frames) >= 3 and all(len(f) <= framing.MAX_FRAME for f in frames)
     order = np.random.default_rng(0).permutation(len(frames))
     r = framing.Reassembler()
     out = [r.feed(frames[i]) for i in order]
     assert all(o is None for o in out[:-1]) and out[-1] is not None
-    got = wire.decode(out[-1])
-    assert isinstance(got, wire.Snapshot)
-    back = checkpoint_from_bytes(got.payload, expect_model=model, expect_tokenizer=TOK,
-                                 expect_step=got.step, expect_weight_hash=got.weight_hash)
+    got = out[-1]
+    assert got == payload
+    back = checkpoint_from_bytes(got, expect_model=model, expect_tokenizer=TOK,
+                                 expect_step=ckpt.step, expect_weight_hash=ckpt.weight_hash)
     assert back == ckpt
-    assert got.step == back.step and got.weight_hash == back.weight_hash
     # a valid checkpoint that is not the announced state is refused
     with pytest.raises(CheckpointError, match="at step 3, expected step 4"):
-        checkpoint_from_bytes(got.payload, expect_step=4)
+        checkpoint_from_bytes(got, expect_step=4)
     other = _ckpt(seed=4, model=model).weight_hash
     with pytest.raises(CheckpointError, match="differs from the expected " + other[:16]):
-        checkpoint_from_bytes(got.payload, expect_weight_hash=other)
+        checkpoint_from_bytes(got, expect_weight_hash=other)
     # a joiner also refuses a payload that is not the checkpoint it claims to be
     with pytest.raises(CheckpointError):
-        checkpoint_from_bytes(got.payload[:-1])
+        checkpoint_from_bytes(got[:-1])
 
 
 # ---------------------------------------------------------------------------- atomic save

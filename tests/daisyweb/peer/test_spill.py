@@ -4,19 +4,15 @@
 from __future__ import annotations
 
 import os
-import tracemalloc
 from pathlib import Path
-from typing import BinaryIO
 
 import pytest
 
-from daisyweb.checkpoints.checkpoint import checkpoint_to_bytes, checkpoint_to_file
-from daisyweb.peer.spill import SpillArchive, SpilledPayloads, Spooler, spill_dir
+from daisyweb.peer.spill import SpillArchive, SpilledPayloads, spill_dir
 from daisyweb.protocol import wire
 from daisyweb.protocol.codec import F32
 from daisyweb.protocol.ledger import HOT_STEPS
 from daisyweb.protocol.sync import HISTORY, Send
-from tests.daisyweb.checkpoints.test_checkpoint import demo_checkpoint
 from tests.daisyweb.protocol.test_sync import Bus
 
 PAYLOADS = {"a": os.urandom(1000), "b": b"", "c": os.urandom(70001)}
@@ -79,40 +75,3 @@ def test_a_leader_keeps_the_last_two_steps_in_memory_and_repairs_older_ones_from
         sent = [a.message for a in actions if isinstance(a, Send)]
         assert sent == [wire.Contribution(step, "b", F32.encode(bus.sent_grads[("b", step)]))]
     assert leader.message("c", wire.RepairRequest(kept[0] - 1, "b"), bus.now) == []
-
-
-def test_a_snapshot_is_spooled_to_an_unlinked_file_not_held_in_memory(tmp_path: Path) -> None:
-    """The leader's snapshot goes out from a file: spooling it allocates only what the
-    reader's checks, run before anything is written, take (the finite checks' masks,
-    ~2.5 MB; they read the weights in place), not the 16 MB payload nor a copy of the
-    weights (5.3 MB); it reads back as the very bytes of the checkpoint."""
-    ckpt = demo_checkpoint()
-    tracemalloc.start()
-    try:
-        payload = Spooler(str(tmp_path)).spool(lambda f: checkpoint_to_file(ckpt, f))
-        _, peak = tracemalloc.get_traced_memory()
-    finally:
-        tracemalloc.stop()
-    assert isinstance(payload, wire.SpooledBytes)
-    assert list(tmp_path.iterdir()) == []  # deleted from the directory at once
-    whole = checkpoint_to_bytes(ckpt)
-    assert len(whole) > 15_000_000 and peak < 4_000_000, peak
-    assert bytes(payload) == whole
-
-
-def test_without_a_usable_directory_a_snapshot_stays_in_memory_said_once(
-        tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
-    spooler = Spooler(str(tmp_path / "missing"))
-    assert spooler.spool(lambda f: f.write(b"abc")) == b"abc"
-    assert spooler.spool(lambda f: f.write(b"de")) == b"de"
-    assert capsys.readouterr().err.count("keeping them in memory") == 1
-
-
-def test_a_snapshot_that_cannot_be_encoded_raises_and_leaves_no_file(tmp_path: Path) -> None:
-    def broken(f: BinaryIO) -> None:
-        f.write(b"half")
-        raise ValueError("cannot encode")
-
-    with pytest.raises(ValueError, match="cannot encode"):
-        Spooler(str(tmp_path)).spool(broken)
-    assert list(tmp_path.iterdir()) == []

@@ -4,12 +4,12 @@ from __future__ import annotations
 
 import os
 import struct
-from pathlib import Path
 
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from daisyweb.peer.pieces import Layout
 from daisyweb.protocol import framing, wire
 from daisyweb.protocol.framing import (
     CHUNK,
@@ -20,7 +20,7 @@ from daisyweb.protocol.framing import (
     frame_id,
     iter_frames,
 )
-from daisyweb.protocol.wire import Hello, Snapshot, WireError, decode, encode
+from daisyweb.protocol.wire import Hello, WireError, decode, encode
 
 H = "ab" * 16
 
@@ -36,7 +36,7 @@ def test_small_message_is_one_frame() -> None:
 
 def test_multi_mb_payload_bit_exact() -> None:
     payload = os.urandom(3 * 1024 * 1024 + 17)
-    msg = Snapshot(42, H, payload)
+    msg = wire.OwnedPart(42, "a", 0, 1, payload)
     data = encode(msg)
     frames = frame(data, 2**64 - 1)
     assert len(frames) == -(-len(data) // CHUNK)
@@ -290,18 +290,24 @@ def test_reassembly_budget_reserves_declared_sizes_and_frees_them() -> None:
     r.set_limits(size, size)  # lowered below what is held: the held message completes
     assert [r.feed(f) for f in b[1:]][-1] == bytes([2]) * size
     assert r.reserved_bytes == 0
-    # A run's budget: two of its largest messages (a snapshot, 12 bytes per parameter)
-    assert budget.largest_message(1_325_824) > 12 * 1_325_824 + 18_000
-    assert budget.link_budget(1_325_824) == 2 * budget.largest_message(1_325_824)
+    # A run's budget: two of its largest messages (an f32 contribution, 4 bytes per
+    # parameter; a snapshot piece is smaller)
+    size = 1_325_824
+    largest = len(wire.encode(wire.Contribution(1, "a" * 128, bytes(4 * size))))
+    assert budget.largest_message(size) > largest
+    piece = wire.Piece(1, 191, bytes(4 * Layout(size, True).piece_floats))
+    assert budget.largest_message(size) > len(wire.encode(piece))
+    assert budget.link_budget(size) == 2 * budget.largest_message(size)
     with pytest.raises(ValueError):
         budget.largest_message(0)
 
 
 @pytest.mark.parametrize("size", [1, 65535, 65536, 65537, 3 * CHUNK + 5, 2_000_003])
 def test_a_message_sent_as_parts_is_framed_as_its_concatenation(size: int) -> None:
-    """A snapshot's payload is framed from its own buffer (``wire.encode_parts``): the
-    frames must be exactly those of the whole encoded message, which is never built."""
-    msg = wire.Snapshot(3, "ab" * 32, bytes(range(256)) * (size // 256) + b"x" * (size % 256))
+    """A big payload is framed from its own buffer (``wire.encode_parts``): the frames
+    must be exactly those of the whole encoded message, which is never built."""
+    msg = wire.OwnedPart(3, "a", 0, 1,
+                         bytes(range(256)) * (size // 256) + b"x" * (size % 256))
     parts = wire.encode_parts(msg)
     whole = wire.encode(msg)
     assert b"".join(bytes(p) for p in parts) == whole
@@ -310,44 +316,3 @@ def test_a_message_sent_as_parts_is_framed_as_its_concatenation(size: int) -> No
     assert frames == frame(whole, 9)
     r = Reassembler()
     assert [r.feed(f) for f in frames][-1] == whole
-
-
-def _spooled(data: bytes, tmp_path: Path, size: int | None = None) -> wire.SpooledBytes:
-    f = open(tmp_path / f"spool-{len(data)}", "w+b")  # noqa: SIM115 - the holder closes it
-    f.write(data)
-    f.flush()
-    return wire.SpooledBytes(f, len(data) if size is None else size)
-
-
-@pytest.mark.parametrize("size", [1, 65535, 3 * CHUNK + 5, 2_000_003])
-def test_a_spooled_payload_is_framed_as_the_same_bytes_in_memory(size: int,
-                                                               tmp_path: Path) -> None:
-    """A leader's snapshot goes out from a file (``wire.SpooledBytes``): the frames and
-    the encoding are exactly those of the same payload in memory, and a receiver gets
-    plain bytes."""
-    data = os.urandom(size)
-    plain = wire.Snapshot(3, "ab" * 32, data)
-    spooled = wire.Snapshot(3, "ab" * 32, _spooled(data, tmp_path))
-    assert wire.encode(spooled) == wire.encode(plain)
-    parts = wire.encode_parts(spooled)
-    assert len(parts) == 2 and isinstance(parts[1], wire.SpooledBytes)
-    frames = list(iter_frames(parts, 9))
-    assert frames == frame(wire.encode(plain), 9)
-    r = Reassembler()
-    back = decode([r.feed(f) for f in frames][-1])
-    assert isinstance(back, Snapshot) and back.payload == data and type(back.payload) is bytes
-
-
-def test_a_spooled_payload_that_reads_short_is_an_error_not_a_short_frame(
-        tmp_path: Path) -> None:
-    short = _spooled(os.urandom(100_000), tmp_path, size=100_001)  # the file lost a byte
-    with pytest.raises(WireError, match="read 100000 of 100001 bytes"):
-        list(iter_frames(wire.encode_parts(wire.Snapshot(1, "ab" * 32, short)), 1))
-
-
-def test_a_spooled_payload_over_the_limit_is_refused(tmp_path: Path) -> None:
-    huge = _spooled(b"x", tmp_path, size=wire.MAX_PAYLOAD + 1)
-    with pytest.raises(WireError, match="payload too long"):
-        wire.Snapshot(1, "ab" * 32, huge)
-    with pytest.raises(WireError, match="expected bytes"):
-        wire.Contribution(1, "aa", huge)  # only a snapshot's payload may be spooled

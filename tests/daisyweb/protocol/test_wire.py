@@ -25,7 +25,6 @@ from daisyweb.protocol.wire import (
     PartRequest,
     RepairRequest,
     Roster,
-    Snapshot,
     StepHashes,
     WireError,
     decode,
@@ -52,7 +51,6 @@ SAMPLES = [
         outer_lr=1.0,
         overlap=4,
     ),
-    Snapshot(0, H, b"\x00\x01" * 100),
     Roster(5, ["a", "b", "c"]),
     Contribution(5, "a", struct.pack("<3f", 1.0, -2.5, 0.0)),
     StepHashes(5, "b", H, "cd" * 8),
@@ -74,6 +72,10 @@ SAMPLES = [
     wire.Piece(8, 5, struct.pack("<2f", 1.0, 0.5)),
     wire.Piece(8, 6, b""),  # refused
 ]
+
+
+PLAN = next(m for m in SAMPLES if isinstance(m, wire.SnapshotPlan))
+PIECE = next(m for m in SAMPLES if isinstance(m, wire.Piece))
 
 
 def _raw(msg: wire.Message) -> dict:
@@ -180,23 +182,27 @@ _DEL = object()
         (SAMPLES[1], {"lr": "0.1"}, "expected float"),
         (SAMPLES[1], {"seed": -3}, "out of range"),
         (SAMPLES[1], {"data": "d" * 2000}, "too long"),
-        (SAMPLES[2], {"step": -1}, "out of range"),
-        (SAMPLES[2], {"step": 1.0}, "expected int"),
-        (SAMPLES[2], {"weight_hash": "ABCD"}, "hex"),
-        (SAMPLES[2], {"weight_hash": "abc"}, "hex"),
-        (SAMPLES[2], {"payload": "text"}, "expected bytes"),
-        (SAMPLES[3], {"members": []}, "members"),
-        (SAMPLES[3], {"members": ["a", "a"]}, "duplicate"),
-        (SAMPLES[3], {"members": ["a", 1]}, "expected str"),
-        (SAMPLES[3], {"members": "ab"}, "expected list"),
-        (SAMPLES[4], {"payload": b"\x00" * 5}, "multiple of 4"),
-        (SAMPLES[5], {"probe_hash": "zz"}, "hex"),
-        (SAMPLES[6], {"sender_of_missing": None}, "expected str"),
-        (SAMPLES[7], {"t": float("inf")}, "not finite"),
-        (SAMPLES[7], {"t": -1.0}, "out of range"),
-        (SAMPLES[8], {"reason": "r" * 1025}, "too long"),
-        (SAMPLES[9], {"leader": "x" * 129}, "too long"),
-        (SAMPLES[9], {"leader": None}, "expected str"),
+        (PLAN, {"step": -1}, "out of range"),
+        (PLAN, {"step": 1.0}, "expected int"),
+        (PLAN, {"weight_hash": "ABCD"}, "hex"),
+        (PLAN, {"weight_hash": "abc"}, "hex"),
+        (PIECE, {"payload": "text"}, "expected bytes"),
+        (PIECE, {"payload": b"\x00" * 5}, "multiple of 4"),
+        (PLAN, {"holders": []}, "members"),
+        (PLAN, {"digests": ["xyz"]}, "hex"),
+        (PLAN, {"inner_step": -1}, "out of range"),
+        (SAMPLES[2], {"members": []}, "members"),
+        (SAMPLES[2], {"members": ["a", "a"]}, "duplicate"),
+        (SAMPLES[2], {"members": ["a", 1]}, "expected str"),
+        (SAMPLES[2], {"members": "ab"}, "expected list"),
+        (SAMPLES[3], {"payload": b"\x00" * 5}, "multiple of 4"),
+        (SAMPLES[4], {"probe_hash": "zz"}, "hex"),
+        (SAMPLES[5], {"sender_of_missing": None}, "expected str"),
+        (SAMPLES[6], {"t": float("inf")}, "not finite"),
+        (SAMPLES[6], {"t": -1.0}, "out of range"),
+        (SAMPLES[7], {"reason": "r" * 1025}, "too long"),
+        (SAMPLES[8], {"leader": "x" * 129}, "too long"),
+        (SAMPLES[8], {"leader": None}, "expected str"),
     ],
 )
 def test_decode_refuses_bad_fields(msg: wire.Message, changes: dict, needle: str) -> None:
