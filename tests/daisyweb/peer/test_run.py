@@ -1162,8 +1162,8 @@ async def test_a_head_start_over_another_share_is_dropped() -> None:
 
 
 def test_relayed_group_trains_through_a_real_turn_server(group: Group) -> None:
-    # Every peer forced to relayed candidates (--relay): snapshot and gradients all go
-    # through coturn on 127.0.0.1, which counts them.
+    # Every peer forced to relayed candidates (--relay): the gradients all go through
+    # coturn on 127.0.0.1, which counts them.
     from tests.turn import coturn
 
     with coturn(group.tmp) as turn:
@@ -1172,8 +1172,9 @@ def test_relayed_group_trains_through_a_real_turn_server(group: Group) -> None:
         assert [lead.wait(), a.wait()] == [0, 0], group.logs()
     assert same_hashes(lead, a) == oracle(group, lead)
     size = init_params(tiny_run().model, 3).size
-    # at least both peers' float32 gradients of every step went through the server
-    assert turn.relayed_bytes() >= 2 * 4 * 4 * size, turn.log.read_text()[-2000:]
+    # coturn logs a session's bytes every 1024 packets: of the 2 x 4 float32 gradients
+    # (8 x 276 KB), at least each session's first 1024 packets are on record
+    assert turn.relayed_bytes() >= 4 * 4 * size, turn.log.read_text()[-2000:]
 
 
 # --------------------------------------------------------------------------- budget

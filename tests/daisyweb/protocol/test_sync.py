@@ -532,6 +532,7 @@ def test_join_gets_a_snapshot_at_a_boundary() -> None:
     bus.handle("a", bus.machines["a"].peer_up("d", bus.now))
     bus.run()
     assert bus.snapshots and bus.snapshots[0].peer == "d"
+    assert bus.snapshots[0].holders == ("a", "b", "c")  # every member serves pieces
     b = bus.snapshots[0].step
     # the driver ships the leader's state; d loads it and starts at that boundary
     src = bus.replicas["a"]
