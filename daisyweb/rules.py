@@ -62,9 +62,12 @@ DEFAULTS: MappingProxyType[str, int | float | str] = MappingProxyType({
 LOCKSTEP = MappingProxyType({"sync_every": 1, "codec": "f32", "outer_lr": 1.0, "overlap": 0})
 
 EXCHANGES = ("auto", "all", "owner")
-OWNER_FROM = 4
+OWNER_FROM = 3
 """``--exchange auto`` runs the owner exchange (``protocol.owner_exchange``) from rosters
-of this many members, all-to-all below."""
+of this many members, all-to-all below: at two members the two send the same bytes, and
+all-to-all takes one hop where owners take two; from three the owner exchange sends
+fewer (1.35 against 2.01 contributions a round at three) for the same CPU and exchange
+time (``python -m bench.scale``, TEST_RESULTS.md section "scale")."""
 CODEC_NAMES = ("f32", "int8", "int4")
 MAX_SYNC_EVERY = 1 << 20
 

@@ -192,7 +192,7 @@ def group(server: str, tmp_path: Path, request: pytest.FixtureRequest) -> Iterat
 
 def oracle(g: Group, peer: Peer, start: Checkpoint | None = None) -> list[str]:
     """Replay ``peer``'s committed steps from the dumped gradients (from ``start``)."""
-    if any(r.get("owners") for r in peer.steps()):  # a group of four or more: owners
+    if any(r.get("owners") for r in peer.steps()):  # a group of three or more: owners
         owned = [(r["roster"], tuple(r.get("owners", ())),
                   {q: (g.grads / f"{q}-{r['step'] - 1}.bin").read_bytes() for q in r["roster"]},
                   r.get("shares", ())) for r in peer.steps()]
@@ -816,7 +816,7 @@ def test_snapshot_and_version_switches_come_from_the_environment_only() -> None:
 
 
 def round_oracle(g: Group, peer: Peer, start: Checkpoint | None = None) -> list[str]:
-    if any(r.get("owners") for r in peer.steps()):  # a group of four or more: owners
+    if any(r.get("owners") for r in peer.steps()):  # a group of three or more: owners
         return owned_round_oracle(g, peer, start)
     spec = []
     for r in peer.steps():
