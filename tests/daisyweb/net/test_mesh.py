@@ -686,6 +686,23 @@ async def test_a_silenced_peer_answers_no_heartbeat(srv) -> None:
     assert link.rtt is None
 
 
+async def test_an_idle_link_carries_a_beat_and_an_answer_each_way_and_nothing_else(srv):
+    """What an idle link costs is bounded by the heartbeat interval: per interval one
+    beat and one answer each way (one frame each), whatever else the mesh does."""
+    interval = 0.2
+    a, b = await connected_pair(srv, heartbeat_interval=interval, heartbeat_timeout=2.0)
+    await asyncio.sleep(2 * interval)  # the first beats are out
+    beat = len(framing.frame(wire.encode(wire.Heartbeat(time.time(), time.time())), 1)[0])
+    sent0, received0 = a.traffic.sent, a.traffic.received
+    window = 10 * interval
+    await asyncio.sleep(window)
+    sent, received = a.traffic.sent - sent0, a.traffic.received - received0
+    most = (window / interval + 2) * 2 * beat  # our beats and answers, a beat's lateness
+    assert beat < sent <= most and beat < received <= most, (sent, received, most)
+    await a.close()
+    await b.close()
+
+
 def test_answers_out_of_range_are_no_sample() -> None:
     link = linkmod.Link.__new__(linkmod.Link)  # only the heartbeat bookkeeping, no connection
     link.rtt, link.drop_heartbeat, link.peer = None, None, "p"
