@@ -105,7 +105,9 @@ def test_a_withholding_member_costs_a_deadline_per_round_then_is_dropped(group: 
 
 
 def test_equivocation_halts_naming_its_sender(group: Group) -> None:
-    lead, honest, bad = _start(group, "equivocate")
+    # All-to-all: with owners each part of a contribution goes to one member only, so a
+    # contributor has nobody to tell a different story to.
+    lead, honest, bad = _start(group, "equivocate", leader_args=("--exchange", "all"))
     codes = [lead.wait(), honest.wait()]
     _stop(bad)
     bad_id = bad.id()
