@@ -26,7 +26,7 @@ if role == "server":
     except socket.timeout:
         pass
 else:
-    s.settimeout(0.3); got = []
+    s.settimeout(0.1); got = []
     for i in range(n):
         t = time.monotonic(); s.sendto(b"%d" % i, (addr, 9000))
         try:
@@ -63,9 +63,9 @@ def test_the_switch_delays_each_direction_and_loses_packets() -> None:
         got, rtt = _echo(s, 20)
         assert got == 20 and 0.030 <= rtt < 0.200  # 15 ms each way
     with _switch.switched(2, 0.0, 0.3, tag="t") as s:
-        got, rtt = _echo(s, 100)
+        got, rtt = _echo(s, 60)
         # each round trip survives two draws of 30% loss: about half come back
-        assert 25 <= got <= 75 and rtt < 0.030
+        assert 12 <= got <= 48 and rtt < 0.030
     names = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True,
                            check=True).stdout
     assert s.hub not in names and not any(ns in names for ns in s.peers)  # all deleted
