@@ -63,12 +63,15 @@ def simulate(peers: int, steps: int, sync_every: int = 1, codec: str = "f32",
              lr: float = float(DEFAULTS["lr"]), seed: int = 0, overlap: int = 0,
              clip: bool = True,
              attack: Callable[[int, np.ndarray], np.ndarray] | None = None,
-             exchange: str = "all") -> SimResult:
+             exchange: str = "all", rejoin: tuple[int, str] | None = None) -> SimResult:
     """``clip``: bound each contribution as the members do (``protocol.influence``);
     ``attack(round, delta)``: what the last peer sends instead of its delta;
     ``exchange``: ``"all"`` (every member averages every contribution) or ``"owner"``
     (``protocol.owners``: each part's mean reduced by its owner, clipped per part, and
-    encoded once more with the owner's error feedback)."""
+    encoded once more with the owner's error feedback); ``rejoin=(round, moments)``: the
+    last peer comes back as a joiner at that round (no head start, no error feedback
+    carried) with its inner moments ``"leader"`` (the first peer's, as a whole snapshot
+    gives) or ``"zero"`` (a fresh inner optimizer at the group's step count)."""
     if exchange not in ("all", "owner"):
         raise ValueError(f"exchange must be 'all' or 'owner', got {exchange!r}")
     tok = default_tokenizer()
@@ -95,6 +98,10 @@ def simulate(peers: int, steps: int, sync_every: int = 1, codec: str = "f32",
     t0 = time.perf_counter()
     previous: dict[str, object] = {}
     for r in range(rounds):
+        if rejoin is not None and r == rejoin[0]:
+            _rejoin(trainers[names[-1]], trainers[names[0]], rejoin[1])
+            previous.pop(names[-1], None)
+            encoders[names[-1]] = codec_by_name(codec).encoder(lead.size)
         payloads = []
         for p in names:
             batch = lambda s, p=p: samplers[p].sample(s + 1)  # noqa: E731
@@ -136,6 +143,20 @@ def simulate(peers: int, steps: int, sync_every: int = 1, codec: str = "f32",
             next_eval = (done // eval_every + 1) * eval_every
     res.compute_s = time.perf_counter() - t0
     return res
+
+
+def _rejoin(joiner: LockstepTrainer | RoundTrainer, leader: LockstepTrainer | RoundTrainer,
+            moments: str) -> None:
+    """The joiner's inner moments as a joiner starts them: the leader's or zero."""
+    opt = joiner.state.optimizer
+    state = opt.state_dict()
+    if moments == "leader":
+        state["m"], state["v"] = leader.state.optimizer.m.copy(), leader.state.optimizer.v.copy()
+    elif moments == "zero":
+        state["m"], state["v"] = np.zeros_like(opt.m), np.zeros_like(opt.v)
+    else:
+        raise ValueError(f"moments must be 'leader' or 'zero', got {moments!r}")
+    opt.load_state_dict(state)
 
 
 def _owner_mean(codec: Codec, payloads: list[bytes], size: int, names: list[str],

@@ -366,7 +366,8 @@ def _checked_start(download: Download, held: deque[Item], term: int) -> Follower
     else:
         served = ", ".join(f"{download.served_by[p]} from {p}"
                            for p in download.plan.holders if p in download.served_by)
-        log(f"took the state of boundary {download.plan.step} in {download.layout.count} "
-            f"pieces: {served}")
+        took = time.monotonic() - download.started
+        log(f"took the state of boundary {download.plan.step} ({download.bytes:,} bytes, "
+            f"{took:.1f} s) in {download.layout.count} pieces: {served}")
     return FollowerStart(download.leader, download.run, state, download.plan.weight_hash,
                          held, term)

@@ -170,6 +170,8 @@ class Download:
                              f"{run.steps}")
         self.holders: dict[str, _Holder] = {}
         self.served_by: dict[str, int] = {}  # holder -> pieces it served that passed
+        self.bytes = 0  # of the pieces that passed
+        self.started = now
         self._asked: list[Request] = []
         # A run's first boundary is the run's seed: a joiner makes it itself (a start
         # of N peers costs the leader nothing) unless the leader resumed elsewhere.
@@ -226,6 +228,7 @@ class Download:
         self.arrays[array][start:stop] = np.frombuffer(msg.payload, dtype="<f4")
         self.missing.discard(msg.piece)
         self.served_by[sender] = self.served_by.get(sender, 0) + 1
+        self.bytes += len(msg.payload)
         return []
 
     def _check(self, piece: int, payload: bytes) -> str | None:

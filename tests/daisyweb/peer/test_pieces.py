@@ -93,6 +93,7 @@ def test_pieces_from_three_holders_make_the_groups_state(sync_every: int) -> Non
     d = _download(leader, plan)
     _serve_all(d, holders)
     assert d.done and d.served_by == {"L": 5, "A": 5, "B": 5}  # 15 pieces, 5 each
+    assert d.bytes == 12 * leader.size
     state = d.state()
     assert make_trainer(state).weight_hash() == plan.weight_hash
     np.testing.assert_array_equal(state.params, leader.params)

@@ -514,6 +514,7 @@ def test_fourth_peer_joins_a_running_group_in_pieces_from_its_members(group: Gro
     assert [p.wait() for p in (lead, a, b, late)] == [0, 0, 0, 0], group.logs()
     took = [ln for ln in late.log.read_text().splitlines() if "took the state" in ln]
     assert len(took) == 1 and "in 15 pieces: " in took[0], took
+    assert f"({12 * init_params(tiny_run().model, 3).size:,} bytes, " in took[0], took
     assert sorted(took[0].split(": ")[-1].split(", ")) == sorted(
         [f"5 from {a.id()}", f"10 from {lead.id()}"]), took
     offered = [ln for ln in lead.log.read_text().splitlines()
