@@ -1,28 +1,28 @@
 """A joiner's snapshot, downloaded in pieces from every member at once.
 
 At a boundary every member holds the same shared state: in lockstep the weights and both
-Adam moments, in rounds the anchor and the step counts (each member's inner moments are
-its own: they are never hashed nor exchanged). So a joiner need not take the whole state
-from the leader, whose uplink would carry 12 bytes a parameter for every joiner while the
-group waits. The leader offers a :class:`wire.SnapshotPlan` instead: the boundary, the
-group's hash, the optimizer's counts, a digest of every shared piece, and the holders
-(the members whose hash at the boundary is the leader's own). The joiner asks holder
-``k mod n`` for piece ``k``, checks each against its digest as it comes, asks the leader
-for any piece a holder refused, sent wrong, or stalled on (:data:`STALL_S`), and checks
-the assembled state against the group's hash before it starts.
+Adam moments, in rounds the anchor and the step counts. So a joiner need not take it from
+the leader alone, whose uplink would carry it for every joiner while the group waits. The
+leader offers a :class:`wire.SnapshotPlan` instead: the boundary, the group's hash, the
+optimizer's step count, a digest of every piece, and the holders (the members whose hash
+at the boundary is the leader's own). The joiner asks holder ``k mod n`` for piece ``k``,
+checks each against its digest as it comes, asks the leader for any piece a holder
+refused, sent wrong, or stalled on (:data:`STALL_S`), and checks the assembled state
+against the group's hash before it starts.
 
-A run's first boundary needs no piece: it is the run's seed, so a joiner makes it
-itself and checks its hash (a start of 32 peers costs the leader one plan each). A
-leader resumed from a checkpoint is at another state: its joiners download as above.
+In rounds a joiner takes the anchor alone, 4 bytes a parameter (not 12): every member's
+inner moments are its own, never hashed nor exchanged, and a joiner starts its inner
+optimizer from zero moments at the group's step count. Measured (``python -m
+bench.join``, TEST_RESULTS.md section "join"): against a joiner given the leader's
+moments, the held-out loss one round later is 0.024 higher and at the end of the run the
+same within the seeds' spread. Every piece a joiner takes is thus checked against a digest.
 
-In rounds the inner moments have no digest (every member's differ): piece ``k`` of them
-is the serving member's own, checked finite (and the second moment non-negative). A
-joiner thus starts its inner optimizer from a blend of its holders' moments, each a
-valid estimate of that slice's gradient moments; a hostile holder can at worst skew the
-joiner's own first rounds, whose contributions the group clips as any member's.
+A run's first boundary needs no piece: it is the run's seed, so a joiner makes it itself
+and checks its hash (a start of 32 peers costs the leader one plan each). A leader resumed
+from a checkpoint is at another state: its joiners download as above.
 
 Pieces are at least :data:`MIN_PIECE_FLOATS` long and at most :data:`PIECES_PER_ARRAY`
-per array; both ends derive the layout from the parameter count alone.
+per array; both ends derive the layout from the parameter count and the mode alone.
 """
 
 from __future__ import annotations
@@ -41,7 +41,7 @@ from daisyweb.training.state import TrainState
 __all__ = ["ARRAYS", "Download", "Layout", "PieceError", "PieceServer", "PlanStale",
            "STALL_S", "piece_bytes", "plan_for"]
 
-ARRAYS = ("params", "m", "v")  # the state vector's arrays, in piece order
+ARRAYS = ("params", "m", "v")  # the state's arrays, in piece order (rounds: params only)
 MIN_PIECE_FLOATS = 1 << 14  # 64 KiB: a piece's request costs next to nothing
 PIECES_PER_ARRAY = 64
 STALL_S = 10.0  # a holder that sent nothing this long while owing pieces: ask the leader
@@ -58,11 +58,12 @@ class PlanStale(PieceError):
 
 @dataclass(frozen=True)
 class Layout:
-    """How a state of ``size`` parameters splits into pieces: each of :data:`ARRAYS` in
-    ``per_array`` slices of ``piece_floats`` (the last one shorter)."""
+    """How a state of ``size`` parameters splits into pieces: each array a joiner takes
+    (lockstep: all of :data:`ARRAYS`; rounds: the anchor) in ``per_array`` slices of
+    ``piece_floats`` (the last one shorter)."""
 
     size: int
-    lockstep: bool  # the moments are shared (and hashed) too
+    lockstep: bool  # the moments are shared (and hashed) too, so a joiner takes them
 
     @property
     def piece_floats(self) -> int:
@@ -74,12 +75,7 @@ class Layout:
 
     @property
     def count(self) -> int:
-        return len(ARRAYS) * self.per_array
-
-    @property
-    def shared(self) -> int:
-        """How many pieces, from the first, are shared (each has a digest in the plan)."""
-        return self.count if self.lockstep else self.per_array
+        return (len(ARRAYS) if self.lockstep else 1) * self.per_array
 
     def where(self, piece: int) -> tuple[int, int, int]:
         """(array index, start, stop) of ``piece``."""
@@ -107,7 +103,7 @@ def plan_for(state: TrainState, step: int, group_hash: str, holders: tuple[str, 
     its replica publishes there)."""
     layout = Layout(state.size, state.run.sync_every == 1)
     digests = tuple(wire.payload_digest(piece_bytes(state, layout, k))
-                    for k in range(layout.shared))
+                    for k in range(layout.count))
     return wire.SnapshotPlan(step, group_hash, state.optimizer.step_count, tokenizer[0],
                              tokenizer[1], digests, holders)
 
@@ -160,9 +156,9 @@ class Download:
             raise PieceError(f"the run uses tokenizer {plan.vocab_size}/"
                              f"{plan.tokenizer_hash[:16]} but this peer has "
                              f"{tokenizer[0]}/{tokenizer[1][:16]}")
-        if len(plan.digests) != layout.shared:
+        if len(plan.digests) != layout.count:
             raise PieceError(f"its plan has {len(plan.digests)} piece digests for "
-                             f"{layout.shared} shared pieces")
+                             f"{layout.count} pieces")
         if leader not in plan.holders:
             raise PieceError("its plan does not name itself a holder")
         if plan.inner_step > run.steps:
@@ -181,7 +177,10 @@ class Download:
             self.missing: set[int] = set()
             return
         self.fresh = None
-        self.arrays = tuple(np.empty(size, dtype=np.float32) for _ in ARRAYS)
+        # rounds: the inner moments start at zero (only the anchor is downloaded)
+        self.arrays = (np.empty(size, dtype=np.float32),
+                       *((np.empty if layout.lockstep else np.zeros)(size, dtype=np.float32)
+                         for _ in ARRAYS[1:]))
         self.missing = set(range(layout.count))
         for k in range(layout.count):
             holder = plan.holders[k % len(plan.holders)]
@@ -234,18 +233,11 @@ class Download:
     def _check(self, piece: int, payload: bytes) -> str | None:
         if not payload:
             return "was refused"
-        array, start, stop = self.layout.where(piece)
+        _, start, stop = self.layout.where(piece)
         if len(payload) != 4 * (stop - start):
             return f"has {len(payload)} bytes, not {4 * (stop - start)}"
-        if piece < self.layout.shared:
-            if wire.payload_digest(payload) != self.plan.digests[piece]:
-                return "does not match its digest"
-            return None
-        values = np.frombuffer(payload, dtype="<f4")
-        if not np.isfinite(values).all():
-            return "is not finite"
-        if ARRAYS[array] == "v" and (values < 0).any():
-            return "has a negative second moment"
+        if wire.payload_digest(payload) != self.plan.digests[piece]:
+            return "does not match its digest"
         return None
 
     def peer_down(self, peer: str, now: float) -> list[Request]:

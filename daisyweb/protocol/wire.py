@@ -338,8 +338,8 @@ class SnapshotPlan(_Msg):
     """The leader's offer of boundary ``step`` to a joiner, which downloads the state in
     pieces from every holder at once (``daisyweb.peer.pieces``). ``weight_hash`` is the
     group's hash at the boundary (what every member published); ``inner_step`` is the
-    optimizer's step count (its beta powers follow from it); ``digests`` are the shared
-    pieces' digests (:func:`payload_digest`), in piece order; ``holders`` are the members
+    optimizer's step count (its beta powers follow from it); ``digests`` are the pieces'
+    digests (:func:`payload_digest`), in piece order; ``holders`` are the members
     that hold the boundary's state (the leader among them): piece k is asked of holder
     k mod n."""
 
