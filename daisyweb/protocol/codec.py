@@ -22,7 +22,8 @@ import numpy as np
 
 from daisyweb.protocol.averaging import GradientError, Parts, check_gradient
 
-__all__ = ["Codec", "F32Codec", "F32", "Int8Codec", "INT8", "Int4Codec", "INT4",
+__all__ = ["Codec", "F32Codec", "F32", "Int8Codec", "INT8", "Int4Codec", "INT4", "Int2Codec",
+           "INT2",
            "ErrorFeedback",
            "ErrorFeedbackEncoder", "check_payload", "codec_by_name", "decode_parts", "CODECS"]
 
@@ -335,6 +336,86 @@ def _int4_pairs() -> np.ndarray:
 
 _INT4_PAIRS = _int4_pairs()
 
+INT2_BLOCK = 64
+"""Values per int2 scale: 4/64 = 0.06 extra bytes a value, 0.31 in all."""
+
+_TWO = _F32(2.0)
+_ONE = _F32(1.0)
+
+
+class Int2Codec(Int8Codec):
+    """Blockwise absmax with 2-bit values: four levels, ``q`` in {-3, -1, 1, 3}.
+
+    Wire layout (no header)::
+
+        [scale float32 x nblocks][ceil(size / 4) bytes of values]
+
+    ``scale = f32(max|x| / 3)`` as :class:`Int8Codec` with ``L = 3``; ``q`` is the odd
+    integer nearest ``x / scale`` (ties upward): ``2 floor(x / scale / 2) + 1``, clamped to
+    [-3, 3], all exact float32 operations; values below 2**-126 count as 0 and take
+    ``q = 1`` (0 has no code: what a small value loses, error feedback carries to the next
+    contribution). Value ``4i + k`` is bits ``2k .. 2k + 1`` of byte ``i``, the code
+    ``(q + 3) / 2`` (0..3); the padding codes of a size that is not a multiple of 4 are 0
+    and anything else is refused, so a vector has exactly one payload. Decoding is
+    ``f32(q) * scale``.
+    """
+
+    name = "int2"
+    levels = 3
+    default_block = INT2_BLOCK
+
+    def values_size(self, size: int) -> int:
+        return -(-size // 4)
+
+    def _quantize_blocks(self, x: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        blocks = self._blocks(x) if x.size % self.block else x.reshape(-1, self.block)
+        magnitude = np.abs(blocks)
+        m = magnitude.max(axis=1) if blocks.size else np.zeros(0, np.float32)
+        scales = m / self._levels
+        scales[scales < _TINY] = 0.0
+        divisor = np.where(scales == 0, _ONE, scales)[:, None]
+        q = np.divide(blocks, divisor)
+        q /= _TWO  # exact: a power of two
+        np.floor(q, out=q)
+        q *= _TWO
+        q += _ONE
+        np.copyto(q, _ONE, where=magnitude < _TINY)
+        np.clip(q, -self._levels, self._levels, out=q)
+        return scales, q.reshape(-1)[: x.size].astype(np.int8)
+
+    def _pack(self, q: np.ndarray) -> bytes:
+        codes = np.zeros(4 * self.values_size(q.size), np.uint8)
+        codes[: q.size] = (q + 3) // 2
+        codes = codes.reshape(-1, 4)
+        return (codes[:, 0] | (codes[:, 1] << 2) | (codes[:, 2] << 4)
+                | (codes[:, 3] << 6)).astype(np.uint8).tobytes()
+
+    def _check_values(self, raw: memoryview, size: int, who: str) -> None:
+        pad = 4 * self.values_size(size) - size
+        if pad:
+            last = int(np.frombuffer(raw, dtype=np.uint8, count=self.values_size(size))[-1])
+            if last >> (2 * (4 - pad)):
+                raise GradientError(f"{who}: the int2 padding codes are not 0")
+
+    def _values_range(self, raw: memoryview, start: int, stop: int) -> np.ndarray:
+        first, last = start // 4, self.values_size(stop)
+        packed = np.frombuffer(raw, dtype=np.uint8, count=last - first, offset=first)
+        skip = start - 4 * first
+        return _INT2_QUADS[packed].reshape(-1)[skip: skip + stop - start].copy()
+
+
+def _int2_quads() -> np.ndarray:
+    """float32 [256, 4]: byte -> its four values, lowest bits first."""
+    value = np.array([-3.0, -1.0, 1.0, 3.0], np.float32)
+    byte = np.arange(256)
+    table = np.stack([value[(byte >> (2 * k)) & 3] for k in range(4)], axis=1)
+    table = np.ascontiguousarray(table, dtype=np.float32)
+    table.flags.writeable = False
+    return table
+
+
+_INT2_QUADS = _int2_quads()
+
 
 class ErrorFeedback:
     """A sender's quantization error, carried into its next contribution.
@@ -409,7 +490,9 @@ def _f32_parts(payload: bytes, size: int) -> Parts:
 F32 = F32Codec()
 INT8 = Int8Codec()
 INT4 = Int4Codec()
-CODECS: dict[str, F32Codec | Int8Codec] = {"f32": F32, "int8": INT8, "int4": INT4}
+INT2 = Int2Codec()
+CODECS: dict[str, F32Codec | Int8Codec] = {"f32": F32, "int8": INT8, "int4": INT4,
+                                           "int2": INT2}
 
 
 def check_payload(codec: Codec, payload: bytes, size: int, who: str = "payload") -> None:

@@ -60,7 +60,7 @@ __all__ = [
 # The messages below, as every peer of this version speaks them; a peer announcing another
 # version in its Hello is never listened to (protocol.leading). It goes up with any change
 # of a message's fields.
-PROTOCOL_VERSION = 8
+PROTOCOL_VERSION = 9
 
 # Limits. Generous for the project's models, small enough that a hostile peer
 # cannot make us allocate without bound.
@@ -428,10 +428,10 @@ class Roster(_Msg):
 class Contribution(_Msg):
     """``sender``'s contribution to step ``step`` of the step machine (a round's weight
     change by default, a gradient in lockstep): ``payload`` is the run's codec's bytes
-    (``daisyweb.protocol.codec``: f32, int8 or int4), checked against the run when it
-    arrives. On the wire its ``type`` is ``"gradient"`` and its fields are ``step``,
-    ``sender`` and ``payload``: names kept as they are because other names would be
-    other bytes (``docs/protocol.md``)."""
+    (``daisyweb.protocol.codec``: f32, int8, int4 or int2; its length is the codec's to
+    check), checked against the run when it arrives. On the wire its ``type`` is
+    ``"gradient"`` and its fields are ``step``, ``sender`` and ``payload``: names kept as
+    they are because other names would be other bytes (``docs/protocol.md``)."""
 
     step: int
     sender: str
@@ -441,7 +441,7 @@ class Contribution(_Msg):
     _checks: ClassVar[dict[str, Checker]] = {
         "step": _step,
         "sender": _peer,
-        "payload": _bytes(MAX_PAYLOAD, multiple=4),
+        "payload": _bytes(MAX_PAYLOAD),
     }
 
 

@@ -11,6 +11,8 @@ from daisyweb.protocol.averaging import GradientError, average_in_roster_order
 from daisyweb.protocol.codec import (
     CODECS,
     F32,
+    INT2,
+    INT2_BLOCK,
     INT4,
     INT4_BLOCK,
     INT8,
@@ -18,6 +20,7 @@ from daisyweb.protocol.codec import (
     ErrorFeedback,
     ErrorFeedbackEncoder,
     F32Codec,
+    Int2Codec,
     Int4Codec,
     Int8Codec,
     check_payload,
@@ -69,12 +72,13 @@ def _reference(x: np.ndarray, block: int = B) -> tuple[np.ndarray, np.ndarray]:
 def test_registry_names_every_codec() -> None:
     from daisyweb.rules import CODEC_NAMES
 
-    assert set(CODECS) == {"f32", "int8", "int4"} == set(CODEC_NAMES)
+    assert set(CODECS) == {"f32", "int8", "int4", "int2"} == set(CODEC_NAMES)
     assert codec_by_name("int8") is INT8 and INT8.name == "int8"
     assert codec_by_name("int4") is INT4 and INT4.name == "int4"
+    assert codec_by_name("int2") is INT2 and INT2.name == "int2"
     assert codec_by_name("f32") is F32
     with pytest.raises(ValueError, match="unknown codec"):
-        codec_by_name("int2")
+        codec_by_name("int3")
 
 
 def test_f32_round_trip_is_lossless() -> None:
@@ -478,7 +482,7 @@ def test_vectors_of_several_chunks_encode_and_decode_as_one_whole_vector(size: i
     assert INT8.decode(payload, size).tobytes() == expect.tobytes()
 
 
-@pytest.mark.parametrize("codec", [INT8, INT4, F32], ids=["int8", "int4", "f32"])
+@pytest.mark.parametrize("codec", [INT8, INT4, INT2, F32], ids=["int8", "int4", "int2", "f32"])
 def test_check_refuses_exactly_what_decode_refuses(codec: Int8Codec | F32Codec) -> None:
     """A step machine checks each arriving payload on its bytes (no vector made) and
     decodes it only to average it: the check must refuse every payload decode refuses,
@@ -492,12 +496,17 @@ def test_check_refuses_exactly_what_decode_refuses(codec: Int8Codec | F32Codec) 
             raw = bytearray(good)
             raw[4:8] = np.float32(value).astype("<f4").tobytes()
             bad_payloads.append(bytes(raw))
-        raw = bytearray(good)
-        raw[4 * nb + 5] = 0x80  # int8 -128; int4: -8 in the high nibble
-        bad_payloads.append(bytes(raw))
+        if codec is not INT2:  # every int2 code is a value
+            raw = bytearray(good)
+            raw[4 * nb + 5] = 0x80  # int8 -128; int4: -8 in the high nibble
+            bad_payloads.append(bytes(raw))
         if codec is INT4:  # size is odd: the last high nibble is padding
             raw = bytearray(good)
             raw[-1] |= 0x10
+            bad_payloads.append(bytes(raw))
+        if codec is INT2:  # size is 1 mod 4: the last byte's three high codes are padding
+            raw = bytearray(good)
+            raw[-1] |= 0x40
             bad_payloads.append(bytes(raw))
     else:
         raw = bytearray(good)
@@ -649,7 +658,7 @@ def test_int4_decodes_every_byte_as_its_two_nibbles() -> None:
     assert out.tobytes() == _nibbles(payload, size).astype(np.float32).tobytes()
 
 
-@pytest.mark.parametrize("codec", [INT8, INT4], ids=["int8", "int4"])
+@pytest.mark.parametrize("codec", [INT8, INT4, INT2], ids=["int8", "int4", "int2"])
 @pytest.mark.parametrize("size", [0, 1, 7, B4 + 1, 3 * B + 17, 70_000])
 def test_encode_decoded_is_the_encoding_and_the_decode_of_its_bytes(
         codec: Int8Codec, size: int) -> None:
@@ -663,3 +672,136 @@ def test_encode_decoded_is_the_encoding_and_the_decode_of_its_bytes(
     assert payload == codec.encode(x)
     assert decoded.dtype == np.float32 and decoded.shape == (size,)
     assert decoded.tobytes() == codec.decode(payload, size).tobytes()
+
+
+# -- int2 -------------------------------------------------------------------------------
+
+B2 = INT2_BLOCK
+
+
+def _codes(payload: bytes, size: int) -> np.ndarray:
+    """The q values of an int2 payload, read code by code (the slow, obvious way)."""
+    raw = payload[4 * INT2.nblocks(size):]
+    return np.array([2 * ((raw[i // 4] >> (2 * (i % 4))) & 3) - 3 for i in range(size)],
+                    np.int8)
+
+
+def _reference2(x: np.ndarray, block: int = B2) -> tuple[np.ndarray, np.ndarray]:
+    """The documented int2 recipe, value by value in float32."""
+    f = np.float32
+    scales, qs = [], []
+    for start in range(0, x.size, block):
+        vals = [f(0.0) if abs(v) < np.finfo(f).tiny else f(v) for v in x[start:start + block]]
+        s = f(max(abs(v) for v in vals) / f(3.0))
+        if s < np.finfo(f).tiny:
+            s = f(0.0)
+        scales.append(s)
+        for v in vals:
+            if v == 0:
+                qs.append(1)
+            else:
+                t = f(v / (s if s else f(1.0)))
+                qs.append(int(min(max(2 * float(np.floor(f(t / f(2.0)))) + 1, -3.0), 3.0)))
+    return np.array(scales, np.float32), np.array(qs, np.int8)
+
+
+@pytest.mark.parametrize("size", [0, 1, 2, 3, 5, B2 - 1, B2, 3 * B2 + 17, 256 * B2 + 3])
+def test_int2_layout_matches_the_documented_recipe(size: int) -> None:
+    x = _vec(size, seed=70)
+    payload = INT2.encode(x)
+    nb = -(-size // B2)
+    assert len(payload) == 4 * nb + -(-size // 4) == INT2.payload_size(size)
+    ref_scales, ref_q = _reference2(x)
+    assert payload[: 4 * nb] == ref_scales.astype("<f4").tobytes()
+    q = _codes(payload, size)
+    assert q.tobytes() == ref_q.tobytes()
+    if size % 4:
+        assert payload[-1] >> (2 * (size % 4)) == 0  # the padding codes
+    out = INT2.decode(payload, size)
+    expect = np.array([np.float32(np.float32(v) * ref_scales[i // B2]) for i, v in enumerate(q)],
+                      np.float32)
+    assert out.tobytes() == expect.tobytes()
+
+
+def test_int2_is_a_bit_over_half_the_bytes_of_int4_and_within_one_scale() -> None:
+    size = 1_325_824  # the demo's model
+    assert INT2.payload_size(size) / INT4.payload_size(size) < 0.56
+    x = _vec(20 * B2 + 5, seed=71)
+    out = INT2.decode(INT2.encode(x), x.size)
+    scales, _ = _reference2(x)
+    step = np.repeat(scales.astype(np.float64), B2)[: x.size]
+    # the levels are 2 scales apart: every value within one scale of its decode
+    assert np.all(np.abs(out.astype(np.float64) - x) <= step * (1.0 + 2.0**-16))
+    q = _codes(INT2.encode(x), x.size)
+    assert set(np.unique(q)) <= {-3, -1, 1, 3}
+
+
+def test_int2_refuses_set_padding_codes_but_every_code_is_a_value() -> None:
+    x = _vec(2 * B2 + 1, seed=72)
+    good = INT2.encode(x)
+    for bits in (0b00000100, 0b00010000, 0b01000000):  # one code in each padding place
+        raw = bytearray(good)
+        raw[-1] |= bits
+        with pytest.raises(GradientError, match="p2: the int2 padding codes are not 0"):
+            INT2.decode(bytes(raw), x.size, "p2")
+    raw = bytearray(good)
+    raw[-1] |= 0b11  # the last real value: any code is a value
+    assert np.isfinite(INT2.decode(bytes(raw), x.size)).all()
+    with pytest.raises(GradientError, match=r"expected \d+ bytes of int2 payload"):
+        INT2.decode(good[:-1], x.size)
+    with pytest.raises(GradientError, match="NaN/Inf int2 scales"):
+        INT2.decode(_with_scale(good, 1, np.nan), x.size)
+
+
+def test_int2_decodes_every_byte_as_its_four_codes() -> None:
+    size = 4 * 256 - 3  # the last byte's three high codes are padding: 0 there
+    packed = bytes(range(255)) + bytes([255 & 0b11])
+    payload = np.ones(INT2.nblocks(size), "<f4").tobytes() + packed
+    out = INT2.decode(payload, size)
+    assert out.tobytes() == _codes(payload, size).astype(np.float32).tobytes()
+    parts = np.concatenate([v for _, v in INT2.decode_parts(payload, size)])
+    assert parts.tobytes() == out.tobytes()
+
+
+def test_int2_zero_and_subnormal_values_take_the_code_of_zero() -> None:
+    x = _vec(3 * B2, seed=73)
+    x[:B2] = 0.0  # a zero block: scale 0, every value decodes to 0
+    x[B2 + 1] = np.finfo(np.float32).tiny / 4  # a subnormal in a live block: as 0, q = 1
+    x[B2 + 2] = -np.finfo(np.float32).tiny / 4
+    payload = INT2.encode(x)
+    q = _codes(payload, x.size)
+    assert (q[:B2] == 1).all() and q[B2 + 1] == 1 and q[B2 + 2] == 1
+    assert not INT2.decode(payload, x.size)[:B2].any()
+    flushed = x.copy()
+    flushed[B2 + 1: B2 + 3] = 0.0  # what a flush-to-zero machine computes with
+    assert INT2.encode(flushed) == payload
+
+
+@settings(max_examples=100, deadline=None)
+@given(hnp.arrays(np.float32, st.integers(0, 3 * B2 + 7), elements=_finite32),
+       st.sampled_from([1, 5, B2]))
+def test_int2_property_round_trip_and_determinism(x: np.ndarray, block: int) -> None:
+    c = Int2Codec(block)
+    payload = c.encode(x)
+    assert len(payload) == c.payload_size(x.size) and payload == c.encode(x.copy())
+    out = c.decode(payload, x.size)
+    assert out.dtype == np.float32 and np.all(np.isfinite(out))
+    scales = np.frombuffer(payload, "<f4", count=c.nblocks(x.size)).astype(np.float64)
+    step = np.repeat(scales, c.block)[: x.size]
+    err = np.abs(out.astype(np.float64) - x.astype(np.float64))
+    tiny = float(np.finfo(np.float32).tiny)
+    assert np.all(err <= np.where(step > 0, step * (1.0 + 2.0**-16), 3 * tiny))
+
+
+def test_int2_error_feedback_sum_tracks_the_true_sum() -> None:
+    size = 5 * B2 + 3
+    ef = ErrorFeedback(size)
+    true_sum = np.zeros(size, np.float64)
+    sent_sum = np.zeros(size, np.float64)
+    for r in range(30):
+        v = _vec(size, seed=80 + r)
+        payload, decoded = ef.encode_decoded(INT2, v)
+        true_sum += v
+        sent_sum += decoded
+        assert decoded.tobytes() == INT2.decode(payload, size).tobytes()
+    assert np.allclose(sent_sum + ef.residual, true_sum, rtol=1e-5, atol=1e-9)

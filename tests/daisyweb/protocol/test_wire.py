@@ -195,7 +195,7 @@ _DEL = object()
         (SAMPLES[2], {"members": ["a", "a"]}, "duplicate"),
         (SAMPLES[2], {"members": ["a", 1]}, "expected str"),
         (SAMPLES[2], {"members": "ab"}, "expected list"),
-        (SAMPLES[3], {"payload": b"\x00" * 5}, "multiple of 4"),
+        (SAMPLES[3], {"payload": "bytes"}, "expected bytes"),
         (SAMPLES[4], {"probe_hash": "zz"}, "hex"),
         (SAMPLES[5], {"sender_of_missing": None}, "expected str"),
         (SAMPLES[6], {"t": float("inf")}, "not finite"),
