@@ -68,7 +68,7 @@ of this many members, all-to-all below: at two members the two send the same byt
 all-to-all takes one hop where owners take two; from three the owner exchange sends
 fewer (1.35 against 2.01 contributions a round at three) for the same CPU and exchange
 time (``python -m bench.scale``, TEST_RESULTS.md section "scale")."""
-CODEC_NAMES = ("f32", "int8", "int4", "int2")
+CODEC_NAMES = ("f32", "int8", "int4", "int2", "sparse")
 MAX_SYNC_EVERY = 1 << 20
 
 MAX_DIM = 1 << 31  # every model dimension and the batch size

@@ -23,7 +23,7 @@ import numpy as np
 from daisyweb.protocol.averaging import GradientError, Parts, check_gradient
 
 __all__ = ["Codec", "F32Codec", "F32", "Int8Codec", "INT8", "Int4Codec", "INT4", "Int2Codec",
-           "INT2",
+           "INT2", "SparseCodec", "SPARSE",
            "ErrorFeedback",
            "ErrorFeedbackEncoder", "check_payload", "codec_by_name", "decode_parts", "CODECS"]
 
@@ -416,6 +416,141 @@ def _int2_quads() -> np.ndarray:
 
 _INT2_QUADS = _int2_quads()
 
+SPARSE_BLOCK = 256
+SPARSE_KEEP = 8
+"""Values kept of every ``SPARSE_BLOCK``: 3.1%, each at two bits (SparseLoCo keeps 1-3%)."""
+
+
+class SparseCodec(Int8Codec):
+    """The ``keep`` largest of every block of ``block`` values at 2 bits, the rest 0.
+
+    Wire layout (no header)::
+
+        [scale float32 x nblocks][record x nblocks]
+
+    Block ``b``'s record holds ``k = min(keep, its length)`` kept values: their in-block
+    indices (uint8, strictly increasing), then their :class:`Int2Codec` codes, four to a
+    byte, lowest bits first, padding codes 0. Kept are the ``k`` values of largest
+    magnitude, ties to the lower index (values below 2**-126 count as 0): a stable sort
+    on exact float32 magnitudes, so every machine keeps the same ones. A kept value is
+    quantized as :class:`Int2Codec` does, ``scale = f32(max|x| / 3)``; the others decode
+    to 0. Error feedback carries what was not sent into the next contribution. Indices
+    out of order, repeated or past the block's end, and set padding codes, are refused.
+    """
+
+    name = "sparse"
+    levels = 3
+    default_block = SPARSE_BLOCK
+    keep = SPARSE_KEEP
+
+    def __init__(self, block: int | None = None) -> None:
+        super().__init__(block)
+        if self.block > 256:
+            raise ValueError(f"{self.name} block must be at most 256, got {self.block}")
+
+    def _kept(self, length: int) -> int:
+        return min(self.keep, length)
+
+    def _record(self, length: int) -> int:
+        k = self._kept(length)
+        return k + -(-k // 4)
+
+    def values_size(self, size: int) -> int:
+        full, rest = divmod(size, self.block)
+        return full * self._record(self.block) + (self._record(rest) if rest else 0)
+
+    def _quantize_blocks(self, x: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        full = x.size // self.block
+        scales = np.empty(self.nblocks(x.size), np.float32)
+        q = np.zeros(x.size, np.int8)
+        if full:
+            s, qf = self._quantize_whole(x[: full * self.block].reshape(full, self.block))
+            scales[:full], q[: full * self.block] = s, qf.reshape(-1)
+        if x.size > full * self.block:  # a short last block keeps min(keep, its length)
+            s, qf = self._quantize_whole(x[full * self.block:].reshape(1, -1))
+            scales[full:], q[full * self.block:] = s, qf.reshape(-1)
+        return scales, q
+
+    def _quantize_whole(self, blocks: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """Scales and q of blocks of one length (rows of ``blocks``)."""
+        magnitude = np.abs(blocks)
+        magnitude[magnitude < _TINY] = 0.0
+        k = self._kept(blocks.shape[1])
+        order = np.argsort(-magnitude, axis=1, kind="stable")[:, :k]
+        rows = np.arange(blocks.shape[0])[:, None]
+        scales = magnitude.max(axis=1) / self._levels
+        scales[scales < _TINY] = 0.0
+        divisor = np.where(scales == 0, _ONE, scales)[:, None]
+        kept = np.divide(blocks[rows, order], divisor)
+        kept /= _TWO  # exact: a power of two
+        np.floor(kept, out=kept)
+        kept *= _TWO
+        kept += _ONE
+        np.copyto(kept, _ONE, where=magnitude[rows, order] == 0)
+        np.clip(kept, -self._levels, self._levels, out=kept)
+        q = np.zeros(blocks.shape, np.int8)
+        q[rows, order] = kept.astype(np.int8)
+        return scales, q
+
+    def _pack(self, q: np.ndarray) -> bytes:
+        full = q.size // self.block
+        parts = []
+        if full:
+            parts.append(self._pack_whole(q[: full * self.block].reshape(full, self.block)))
+        if q.size > full * self.block:
+            parts.append(self._pack_whole(q[full * self.block:].reshape(1, -1)))
+        return b"".join(parts)
+
+    def _pack_whole(self, q: np.ndarray) -> bytes:
+        """Records of blocks of one length: each row's kept values (its non-zero q)."""
+        k = self._kept(q.shape[1])
+        idx = np.argsort(q == 0, axis=1, kind="stable")[:, :k]  # non-zero first, in order
+        codes = np.zeros((q.shape[0], 4 * -(-k // 4)), np.uint8)
+        codes[:, :k] = (np.take_along_axis(q, idx, axis=1) + 3) // 2
+        packed = (codes[:, 0::4] | (codes[:, 1::4] << 2) | (codes[:, 2::4] << 4)
+                  | (codes[:, 3::4] << 6))
+        return np.concatenate([idx.astype(np.uint8), packed], axis=1).tobytes()
+
+    def _record_arrays(self, raw: memoryview, start: int, stop: int
+                       ) -> list[tuple[int, int, np.ndarray, np.ndarray]]:
+        """(first value, block length, indices [n, k], codes [n, 4 ceil(k / 4)]) of the
+        blocks of ``start .. stop`` (``start`` on a block), in runs of one length."""
+        out = []
+        full_stop = start + (stop - start) // self.block * self.block
+        runs = [(start, full_stop, self.block)]
+        if stop > full_stop:
+            runs.append((full_stop, stop, stop - full_stop))
+        for lo, hi, length in runs:
+            n = (hi - lo) // length if hi > lo else 0
+            if n == 0:
+                continue
+            k, rec = self._kept(length), self._record(length)
+            at = self.values_size(lo)
+            recs = np.frombuffer(raw, dtype=np.uint8, count=n * rec, offset=at).reshape(n, rec)
+            idx = recs[:, :k]
+            packed = recs[:, k:]
+            codes = np.stack([(packed >> (2 * j)) & 3 for j in range(4)], axis=2)
+            out.append((lo, length, idx, codes.reshape(n, -1)))
+        return out
+
+    def _check_values(self, raw: memoryview, size: int, who: str) -> None:
+        for _, length, idx, codes in self._record_arrays(raw, 0, size):
+            k = idx.shape[1]
+            if k > 1 and not (idx[:, 1:] > idx[:, :-1]).all():
+                raise GradientError(f"{who}: {self.name} indices not strictly increasing")
+            if (idx >= length).any():
+                raise GradientError(f"{who}: a {self.name} index past its block's end")
+            if codes[:, k:].any():
+                raise GradientError(f"{who}: the {self.name} padding codes are not 0")
+
+    def _values_range(self, raw: memoryview, start: int, stop: int) -> np.ndarray:
+        out = np.zeros(stop - start, np.float32)
+        for lo, length, idx, codes in self._record_arrays(raw, start, stop):
+            k = idx.shape[1]
+            base = (lo - start) + length * np.arange(idx.shape[0])[:, None]
+            out[(base + idx).reshape(-1)] = (2 * codes[:, :k].astype(np.float32) - 3).reshape(-1)
+        return out
+
 
 class ErrorFeedback:
     """A sender's quantization error, carried into its next contribution.
@@ -491,8 +626,9 @@ F32 = F32Codec()
 INT8 = Int8Codec()
 INT4 = Int4Codec()
 INT2 = Int2Codec()
+SPARSE = SparseCodec()
 CODECS: dict[str, F32Codec | Int8Codec] = {"f32": F32, "int8": INT8, "int4": INT4,
-                                           "int2": INT2}
+                                           "int2": INT2, "sparse": SPARSE}
 
 
 def check_payload(codec: Codec, payload: bytes, size: int, who: str = "payload") -> None:

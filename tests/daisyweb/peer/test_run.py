@@ -842,7 +842,7 @@ def round_oracle(g: Group, peer: Peer, start: Checkpoint | None = None) -> list[
                          total_steps=total, first_round=first)
 
 
-@pytest.mark.parametrize("codec", ["int8", "int4", "int2"])
+@pytest.mark.parametrize("codec", ["int8", "int4", "int2", "sparse"])
 def test_rounds_three_peers_identical_at_every_boundary_equal_to_replay(group: Group,
                                                                         codec: str) -> None:
     # Equal shares: a share moved by a noisy speed would drop a head start this counts.
@@ -866,10 +866,12 @@ def test_rounds_three_peers_identical_at_every_boundary_equal_to_replay(group: G
     hashes = same_hashes(lead, a, b)
     assert hashes == round_oracle(group, lead)
     assert {p.end()["weight_hash"] for p in (lead, a, b)} == {hashes[-1]}
-    # 4 rounds' payloads: int8 about a quarter of float32, int4 an eighth, int2 a 13th
+    # 4 rounds' payloads: int8 about a quarter of float32, int4 an eighth, int2 a 13th,
+    # sparse a 73rd
     size = init_params(tiny_run().model, 3).size
     payload = codec_by_name(codec).payload_size(size)
-    assert payload < 4 * size * {"int8": 0.26, "int4": 0.15, "int2": 0.08}[codec]
+    assert payload < 4 * size * {"int8": 0.26, "int4": 0.15, "int2": 0.08,
+                                 "sparse": 0.014}[codec]
     assert lead.steps()[-1]["bytes_sent"] == 4 * payload
 
 

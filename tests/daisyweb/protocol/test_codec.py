@@ -17,6 +17,9 @@ from daisyweb.protocol.codec import (
     INT4_BLOCK,
     INT8,
     INT8_BLOCK,
+    SPARSE,
+    SPARSE_BLOCK,
+    SPARSE_KEEP,
     ErrorFeedback,
     ErrorFeedbackEncoder,
     F32Codec,
@@ -72,7 +75,7 @@ def _reference(x: np.ndarray, block: int = B) -> tuple[np.ndarray, np.ndarray]:
 def test_registry_names_every_codec() -> None:
     from daisyweb.rules import CODEC_NAMES
 
-    assert set(CODECS) == {"f32", "int8", "int4", "int2"} == set(CODEC_NAMES)
+    assert set(CODECS) == {"f32", "int8", "int4", "int2", "sparse"} == set(CODEC_NAMES)
     assert codec_by_name("int8") is INT8 and INT8.name == "int8"
     assert codec_by_name("int4") is INT4 and INT4.name == "int4"
     assert codec_by_name("int2") is INT2 and INT2.name == "int2"
@@ -658,7 +661,8 @@ def test_int4_decodes_every_byte_as_its_two_nibbles() -> None:
     assert out.tobytes() == _nibbles(payload, size).astype(np.float32).tobytes()
 
 
-@pytest.mark.parametrize("codec", [INT8, INT4, INT2], ids=["int8", "int4", "int2"])
+@pytest.mark.parametrize("codec", [INT8, INT4, INT2, SPARSE],
+                         ids=["int8", "int4", "int2", "sparse"])
 @pytest.mark.parametrize("size", [0, 1, 7, B4 + 1, 3 * B + 17, 70_000])
 def test_encode_decoded_is_the_encoding_and_the_decode_of_its_bytes(
         codec: Int8Codec, size: int) -> None:
@@ -805,3 +809,118 @@ def test_int2_error_feedback_sum_tracks_the_true_sum() -> None:
         sent_sum += decoded
         assert decoded.tobytes() == INT2.decode(payload, size).tobytes()
     assert np.allclose(sent_sum + ef.residual, true_sum, rtol=1e-5, atol=1e-9)
+
+
+# -- sparse -----------------------------------------------------------------------------
+
+BS, KS = SPARSE_BLOCK, SPARSE_KEEP
+
+
+def _reference_sparse(x: np.ndarray) -> bytes:
+    """The documented sparse recipe, block by block in plain Python and float32."""
+    f = np.float32
+    tiny = np.finfo(f).tiny
+    scales, records = [], b""
+    for start in range(0, x.size, BS):
+        vals = [f(0.0) if abs(v) < tiny else f(v) for v in x[start:start + BS]]
+        k = min(KS, len(vals))
+        kept = sorted(sorted(range(len(vals)), key=lambda i: (-abs(vals[i]), i))[:k])
+        s = f(max(abs(v) for v in vals) / f(3.0))
+        if s < tiny:
+            s = f(0.0)
+        scales.append(s)
+        codes = []
+        for i in kept:
+            if vals[i] == 0:
+                q = 1
+            else:
+                t = f(vals[i] / (s if s else f(1.0)))
+                q = int(min(max(2 * float(np.floor(f(t / f(2.0)))) + 1, -3.0), 3.0))
+            codes.append((q + 3) // 2)
+        codes += [0] * (-len(codes) % 4)
+        packed = bytes(codes[j] | codes[j + 1] << 2 | codes[j + 2] << 4 | codes[j + 3] << 6
+                       for j in range(0, len(codes), 4))
+        records += bytes(kept) + packed
+    return np.array(scales, "<f4").tobytes() + records
+
+
+@pytest.mark.parametrize("size", [0, 1, 5, KS, KS + 1, BS - 1, BS, BS + 3, 3 * BS + 17])
+def test_sparse_layout_matches_the_documented_recipe(size: int) -> None:
+    x = _vec(size, seed=90)
+    if size > 20:
+        x[10] = x[11] = np.float32(50.0)  # a tie: the lower index is kept first
+    payload = SPARSE.encode(x)
+    assert payload == _reference_sparse(x) and len(payload) == SPARSE.payload_size(size)
+    out = SPARSE.decode(payload, size)
+    kept = np.flatnonzero(out)
+    per_block = [min(KS, size - b) for b in range(0, size, BS)]
+    assert kept.size <= sum(per_block)
+    assert np.array_equal(SPARSE.decode(SPARSE.encode(out), size), out)  # kept: itself
+
+
+def test_sparse_sends_a_tenth_of_int4_and_keeps_the_largest() -> None:
+    size = 1_325_824  # the demo's model
+    assert SPARSE.payload_size(size) / INT4.payload_size(size) < 0.1
+    assert 4 * size * 16 / SPARSE.payload_size(size) > 1000  # against lockstep f32, H=16
+    x = _vec(4 * BS, seed=91)
+    out = SPARSE.decode(SPARSE.encode(x), x.size)
+    for b in range(4):
+        block, got = x[b * BS:(b + 1) * BS], out[b * BS:(b + 1) * BS]
+        top = set(np.argsort(-np.abs(block), kind="stable")[:KS])
+        assert set(np.flatnonzero(got)) == top
+        assert np.all(np.sign(got[list(top)]) == np.sign(block[list(top)]))
+
+
+@pytest.mark.parametrize("damage", ["order", "repeat", "past", "padding"])
+def test_sparse_refuses_indices_out_of_order_or_range_and_set_padding(damage: str) -> None:
+    size = 2 * BS + 5  # the short last block keeps 5: 3 padding codes
+    x = _vec(size, seed=92)
+    good = SPARSE.encode(x)
+    raw = bytearray(good)
+    first = 4 * SPARSE.nblocks(size)  # the first record's indices
+    last = first + 2 * (KS + KS // 4)  # the short block's indices
+    if damage == "order":
+        raw[first], raw[first + 1] = raw[first + 1], raw[first]
+        want = "not strictly increasing"
+    elif damage == "repeat":
+        raw[first + 1] = raw[first]
+        want = "not strictly increasing"
+    elif damage == "past":
+        raw[last + 4] = 5  # its block has 5 values: 0..4
+        want = "past its block's end"
+    else:
+        raw[-1] |= 0b11 << 2
+        want = "padding codes are not 0"
+    with pytest.raises(GradientError, match=want):
+        SPARSE.decode(bytes(raw), size, "p")
+    with pytest.raises(GradientError, match=want):
+        check_payload(SPARSE, bytes(raw), size, "p")
+    assert np.isfinite(SPARSE.decode(good, size)).all()
+
+
+def test_sparse_error_feedback_sends_everything_in_time() -> None:
+    size = 3 * BS + 7
+    ef = ErrorFeedback(size)
+    true_sum = np.zeros(size, np.float64)
+    sent_sum = np.zeros(size, np.float64)
+    for r in range(40):
+        v = _vec(size, seed=100 + r)
+        payload, decoded = ef.encode_decoded(SPARSE, v)
+        true_sum += v
+        sent_sum += decoded
+        assert decoded.tobytes() == SPARSE.decode(payload, size).tobytes()
+    assert np.allclose(sent_sum + ef.residual, true_sum, rtol=1e-5, atol=1e-7)
+    assert not np.allclose(sent_sum, true_sum, rtol=1e-2)  # what waits is real
+
+
+@settings(max_examples=60, deadline=None)
+@given(st.binary(min_size=0, max_size=200))
+def test_sparse_decode_of_random_bytes_is_finite_or_refused(raw: bytes) -> None:
+    size = 2 * BS + 3
+    n = SPARSE.payload_size(size)
+    raw = (raw * (n // max(len(raw), 1) + 1))[:n] if raw else bytes(n)
+    try:
+        out = SPARSE.decode(raw, size)
+    except GradientError:
+        return
+    assert out.dtype == np.float32 and out.shape == (size,) and np.all(np.isfinite(out))

@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 
 from daisyweb.protocol.averaging import GradientError, average_parts_in_roster_order
-from daisyweb.protocol.codec import F32, INT4, INT8, decode_parts
+from daisyweb.protocol.codec import F32, INT2, INT4, INT8, SPARSE, decode_parts
 from daisyweb.protocol.owners import (
     PART_ALIGN,
     MeanEncoder,
@@ -16,7 +16,8 @@ from daisyweb.protocol.owners import (
     reduce_part,
 )
 
-CODECS = [F32, INT8, INT4]
+CODECS = [F32, INT8, INT4, INT2]
+CUTTABLE = [*CODECS, SPARSE]  # sparse: a mean of it is not within one step (most is 0)
 
 
 def vectors(n: int, size: int, seed: int = 0) -> list[np.ndarray]:
@@ -39,7 +40,7 @@ def test_parts_cover_the_vector_in_order_on_whole_blocks(size: int, parts: int) 
         part_bounds(size, 0)
 
 
-@pytest.mark.parametrize("codec", CODECS, ids=lambda c: c.name)
+@pytest.mark.parametrize("codec", CUTTABLE, ids=lambda c: c.name)
 @pytest.mark.parametrize("size", [145_731, 4097, 1000])
 def test_a_part_of_a_payload_is_the_payload_of_the_part(codec, size: int) -> None:
     (v,) = vectors(1, size)
@@ -53,7 +54,7 @@ def test_a_part_of_a_payload_is_the_payload_of_the_part(codec, size: int) -> Non
         part_payload(codec, whole, size, slice(3, 100))  # not on a part's edge
 
 
-@pytest.mark.parametrize("codec", CODECS, ids=lambda c: c.name)
+@pytest.mark.parametrize("codec", CUTTABLE, ids=lambda c: c.name)
 @pytest.mark.parametrize("shares", [(), (2, 2, 2, 2), (1, 3, 2, 2)])
 def test_without_clipping_the_owners_mean_is_all_to_alls_bit_for_bit(codec, shares) -> None:
     size, n = 70_001, 4
@@ -92,7 +93,7 @@ def test_a_bad_part_is_refused_with_its_sender() -> None:
         reduce_part(INT4, [good, bytes(bad)], size, who=["alice", "mallory"])
 
 
-@pytest.mark.parametrize("codec", [INT8, INT4], ids=lambda c: c.name)
+@pytest.mark.parametrize("codec", [INT8, INT4, INT2, SPARSE], ids=lambda c: c.name)
 def test_the_owners_error_feedback_carries_each_parts_error_into_the_next_round(codec) -> None:
     size = 3000
     bounds = part_bounds(size, 3)
@@ -105,8 +106,10 @@ def test_the_owners_error_feedback_carries_each_parts_error_into_the_next_round(
         payload = enc.encode(where, v[where])
         sent += codec.decode(payload, where.stop - where.start)
         true += v[where]
-    # the sum of what was sent differs from the true sum by the residual alone
-    assert np.allclose(sent + enc.feedback.residual[where], true, rtol=0, atol=1e-9)
+    # the sum of what was sent differs from the true sum by the residual alone (sparse
+    # keeps most of each value in the residual: its float32 rounding is that much larger)
+    atol = 1e-7 if codec is SPARSE else 1e-9
+    assert np.allclose(sent + enc.feedback.residual[where], true, rtol=0, atol=atol)
     assert not enc.feedback.residual[bounds[0]].any()  # parts it did not encode: untouched
     assert not enc.feedback.residual[bounds[2]].any()
 
