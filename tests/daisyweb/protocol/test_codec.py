@@ -858,10 +858,10 @@ def test_sparse_layout_matches_the_documented_recipe(size: int) -> None:
     assert np.array_equal(SPARSE.decode(SPARSE.encode(out), size), out)  # kept: itself
 
 
-def test_sparse_sends_a_tenth_of_int4_and_keeps_the_largest() -> None:
+def test_sparse_sends_under_a_third_of_int4_and_keeps_the_largest() -> None:
     size = 1_325_824  # the demo's model
-    assert SPARSE.payload_size(size) / INT4.payload_size(size) < 0.1
-    assert 4 * size * 16 / SPARSE.payload_size(size) > 1000  # against lockstep f32, H=16
+    assert SPARSE.payload_size(size) / INT4.payload_size(size) < 0.31
+    assert 4 * size * 16 / SPARSE.payload_size(size) > 370  # against lockstep f32, H=16
     x = _vec(4 * BS, seed=91)
     out = SPARSE.decode(SPARSE.encode(x), x.size)
     for b in range(4):
