@@ -42,13 +42,15 @@ class Bridge:
     hub: str  # the hub namespace's name
     peers: list[str]  # each peer's namespace
     rate_mbit: float | None
+    subnet: str = SUBNET  # the first three octets of every address made
+    device: str = "veth0"  # what each peer sends on
 
     @property
     def hub_address(self) -> str:
-        return f"{SUBNET}.1"
+        return f"{self.subnet}.1"
 
     def address(self, i: int) -> str:
-        return f"{SUBNET}.{i + 2}"
+        return f"{self.subnet}.{i + 2}"
 
     def run_in(self, i: int) -> list[str]:
         """The command prefix that runs a program in peer ``i``'s namespace."""
@@ -60,13 +62,13 @@ class Bridge:
     def tx_bytes(self, i: int) -> int:
         """Bytes peer ``i``'s interface sent (IP packets: every header included)."""
         out = subprocess.run(
-            [*self.run_in(i), "cat", "/sys/class/net/veth0/statistics/tx_bytes"],
+            [*self.run_in(i), "cat", f"/sys/class/net/{self.device}/statistics/tx_bytes"],
             check=True, capture_output=True, text=True, timeout=10)
         return int(out.stdout)
 
     def rx_bytes(self, i: int) -> int:
         out = subprocess.run(
-            [*self.run_in(i), "cat", "/sys/class/net/veth0/statistics/rx_bytes"],
+            [*self.run_in(i), "cat", f"/sys/class/net/{self.device}/statistics/rx_bytes"],
             check=True, capture_output=True, text=True, timeout=10)
         return int(out.stdout)
 

@@ -35,6 +35,8 @@ import time
 from collections.abc import Iterator
 from dataclasses import dataclass
 
+from bench._bridge import Bridge
+
 __all__ = ["Switched", "switched"]
 
 SUBNET = "10.78.0"
@@ -44,28 +46,12 @@ _IFF_NO_PI = 0x1000
 
 
 @dataclass
-class Switched:
-    """What :func:`switched` made: the namespaces and the device every one sends on."""
+class Switched(Bridge):
+    """What :func:`switched` made: a :class:`bench._bridge.Bridge` whose links the switch
+    delays and drops packets on."""
 
-    hub: str
-    peers: list[str]
-    delay_ms: float
-    loss: float
-    rate_mbit: float | None
-    device: str = "tap0"
-
-    @property
-    def hub_address(self) -> str:
-        return f"{SUBNET}.1"
-
-    def address(self, i: int) -> str:
-        return f"{SUBNET}.{i + 2}"
-
-    def run_in(self, i: int) -> list[str]:
-        return ["ip", "netns", "exec", self.peers[i]]
-
-    def run_in_hub(self) -> list[str]:
-        return ["ip", "netns", "exec", self.hub]
+    delay_ms: float = 0.0
+    loss: float = 0.0
 
 
 def _ip(*args: str) -> None:
@@ -136,7 +122,8 @@ def switched(n: int, delay_ms: float, loss: float, rate_mbit: float | None = Non
     if not 1 <= n <= 250 or not 0.0 <= loss < 1.0 or delay_ms < 0:
         raise ValueError("1..250 peers, 0 <= loss < 1, delay >= 0")
     base = f"{tag}{os.getpid()}"
-    s = Switched(f"{base}hub", [f"{base}p{i}" for i in range(n)], delay_ms, loss, rate_mbit)
+    s = Switched(f"{base}hub", [f"{base}p{i}" for i in range(n)], rate_mbit, SUBNET, "tap0",
+                 delay_ms, loss)
     made: list[str] = []
     switch: subprocess.Popen[bytes] | None = None
     try:

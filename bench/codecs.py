@@ -17,21 +17,21 @@ from bench._results import machine, write_section
 from bench.rounds_sim import simulate
 from daisyweb.protocol.codec import codec_by_name
 
-H = 16
-
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--codecs", default="int4,int2")
     ap.add_argument("--seeds", type=int, default=3)
     ap.add_argument("--steps", type=int, default=300)
+    ap.add_argument("--sync-every", type=int, default=16, help="H, local steps a round")
     a = ap.parse_args()
+    h = a.sync_every
     names = a.codecs.split(",")
     finals: dict[str, list[float]] = {n: [] for n in names}
     size = _size()
     for seed in range(a.seeds):
         for name in names:  # interleaved: a slow moment of the machine hits all alike
-            res = simulate(2, a.steps, H, name, overlap=2, seed=seed, eval_every=a.steps)
+            res = simulate(2, a.steps, h, name, overlap=2, seed=seed, eval_every=a.steps)
             finals[name].append(res.final)
             print(f"seed {seed} {name}: final held-out {res.final:.4f}", flush=True)
     base = statistics.mean(finals[names[0]])
@@ -41,21 +41,21 @@ def main() -> None:
     for name in names:
         payload = codec_by_name(name).payload_size(size)
         mean = statistics.mean(finals[name])
-        rows.append(f"| {name} | {payload:,} | {4 * size * H / payload:.0f}x | {mean:.4f} | "
+        rows.append(f"| {name} | {payload:,} | {4 * size * h / payload:.0f}x | {mean:.4f} | "
                     f"{mean - base:+.4f} | " + ", ".join(f"{x:.4f}" for x in finals[name])
                     + " |")
     section = [
-        "## Codecs: bytes per token against held-out loss (bench.codecs)",
+        f"## Codecs at rounds of {h}: bytes per token against held-out loss (bench.codecs)",
         "",
-        f"`python -m bench.codecs --codecs {a.codecs} --seeds {a.seeds} --steps {a.steps}` "
-        f"-- {machine()}. `bench.rounds_sim` at the demo default ({size:,} parameters, "
-        f"2 peers, rounds of {H}, overlap 2, {a.steps} steps, seeds 0-{a.seeds - 1}, error "
-        "feedback): held-out loss of the group's anchor at the end, same tokens in every "
-        "row. Lockstep f32 sends one 4P-byte gradient a step.",
+        f"`python -m bench.codecs --codecs {a.codecs} --seeds {a.seeds} --steps {a.steps} "
+        f"--sync-every {h}` -- {machine()}. `bench.rounds_sim` at the demo default "
+        f"({size:,} parameters, 2 peers, rounds of {h}, overlap 2, {a.steps} steps, "
+        f"seeds 0-{a.seeds - 1}, error feedback): held-out loss of the group's anchor at "
+        "the end, same tokens in every row. Lockstep f32 sends one 4P-byte gradient a step.",
         "",
         *rows,
     ]
-    write_section("codecs", "\n".join(section))
+    write_section("codecs" if h == 16 else f"codecs-h{h}", "\n".join(section))
     print("\n".join(section))
 
 

@@ -173,12 +173,17 @@ class Int8Codec:
         scales[scales < _TINY] = 0.0
         divisor = np.where(scales == 0, _F32(1.0), scales)[:, None]
         q = np.divide(blocks, divisor)
-        q += _HALF
-        np.floor(q, out=q)
-        np.copyto(q, _F32(0.0), where=magnitude < _TINY)
+        self._round(q, magnitude < _TINY)
         # |x / scale| <= L * (1 + 2**-23), so the clamp never binds; it states the range.
         np.clip(q, -self._levels, self._levels, out=q)
         return scales, q.reshape(-1)[: x.size].astype(np.int8)
+
+    def _round(self, t: np.ndarray, zero: np.ndarray) -> None:
+        """``t = x / scale`` to its level, in place: the nearest integer (ties upward);
+        where ``zero`` (the value counts as 0), 0."""
+        t += _HALF
+        np.floor(t, out=t)
+        np.copyto(t, _F32(0.0), where=zero)
 
     def _pack(self, q: np.ndarray) -> bytes:
         """The values part of the payload."""
@@ -367,21 +372,8 @@ class Int2Codec(Int8Codec):
     def values_size(self, size: int) -> int:
         return -(-size // 4)
 
-    def _quantize_blocks(self, x: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-        blocks = self._blocks(x) if x.size % self.block else x.reshape(-1, self.block)
-        magnitude = np.abs(blocks)
-        m = magnitude.max(axis=1) if blocks.size else np.zeros(0, np.float32)
-        scales = m / self._levels
-        scales[scales < _TINY] = 0.0
-        divisor = np.where(scales == 0, _ONE, scales)[:, None]
-        q = np.divide(blocks, divisor)
-        q /= _TWO  # exact: a power of two
-        np.floor(q, out=q)
-        q *= _TWO
-        q += _ONE
-        np.copyto(q, _ONE, where=magnitude < _TINY)
-        np.clip(q, -self._levels, self._levels, out=q)
-        return scales, q.reshape(-1)[: x.size].astype(np.int8)
+    def _round(self, t: np.ndarray, zero: np.ndarray) -> None:
+        _round_odd(t, zero)
 
     def _pack(self, q: np.ndarray) -> bytes:
         codes = np.zeros(4 * self.values_size(q.size), np.uint8)
@@ -402,6 +394,16 @@ class Int2Codec(Int8Codec):
         packed = np.frombuffer(raw, dtype=np.uint8, count=last - first, offset=first)
         skip = start - 4 * first
         return _INT2_QUADS[packed].reshape(-1)[skip: skip + stop - start].copy()
+
+
+def _round_odd(t: np.ndarray, zero: np.ndarray) -> None:
+    """``t`` to the odd integer nearest it (ties upward), in place, exactly in float32:
+    ``2 floor(t / 2) + 1``; where ``zero`` (the value counts as 0, which has no code), 1."""
+    t /= _TWO  # exact: a power of two
+    np.floor(t, out=t)
+    t *= _TWO
+    t += _ONE
+    np.copyto(t, _ONE, where=zero)
 
 
 def _int2_quads() -> np.ndarray:
@@ -484,11 +486,7 @@ class SparseCodec(Int8Codec):
         scales[scales < _TINY] = 0.0
         divisor = np.where(scales == 0, _ONE, scales)[:, None]
         kept = np.divide(blocks[rows, order], divisor)
-        kept /= _TWO  # exact: a power of two
-        np.floor(kept, out=kept)
-        kept *= _TWO
-        kept += _ONE
-        np.copyto(kept, _ONE, where=magnitude[rows, order] == 0)
+        _round_odd(kept, magnitude[rows, order] == 0)
         np.clip(kept, -self._levels, self._levels, out=kept)
         q = np.zeros(blocks.shape, np.int8)
         q[rows, order] = kept.astype(np.int8)
