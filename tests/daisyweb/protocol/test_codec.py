@@ -924,3 +924,13 @@ def test_sparse_decode_of_random_bytes_is_finite_or_refused(raw: bytes) -> None:
     except GradientError:
         return
     assert out.dtype == np.float32 and out.shape == (size,) and np.all(np.isfinite(out))
+
+
+def test_sparse_keeps_what_a_flush_to_zero_machine_keeps() -> None:
+    x = np.zeros(BS, np.float32)
+    x[[3, 50, 90]] = [1.0, -2.0, 0.5]
+    x[200] = np.finfo(np.float32).tiny / 4  # a subnormal: counts as 0, ties by index
+    flushed = x.copy()
+    flushed[200] = 0.0
+    assert SPARSE.encode(x) == SPARSE.encode(flushed)
+    assert SPARSE.decode(SPARSE.encode(x), BS)[200] == 0.0
