@@ -81,6 +81,8 @@ INT8_BLOCK = 256
 _TINY = _F32(np.finfo(np.float32).tiny)  # 2**-126, the smallest normal float32
 _MAX_SCALE = _F32(2.0**120)  # 127 * _MAX_SCALE < 2**127: a decoded value is always finite
 _HALF = _F32(0.5)
+_ONE = _F32(1.0)
+_TWO = _F32(2.0)
 _CHUNK_VALUES = 1 << 16  # values per chunk of encoding work (256 KiB of float32), whole blocks
 
 
@@ -168,15 +170,21 @@ class Int8Codec:
         # Subnormals count as 0 without being zeroed first: one never sets a block's
         # scale (a block whose largest magnitude is subnormal gets scale 0 below either
         # way), and its q is set to 0 after the arithmetic.
-        m = magnitude.max(axis=1) if blocks.size else np.zeros(0, np.float32)
-        scales = m / self._levels
-        scales[scales < _TINY] = 0.0
-        divisor = np.where(scales == 0, _F32(1.0), scales)[:, None]
+        scales, divisor = self._block_scales(magnitude)
         q = np.divide(blocks, divisor)
         self._round(q, magnitude < _TINY)
         # |x / scale| <= L * (1 + 2**-23), so the clamp never binds; it states the range.
         np.clip(q, -self._levels, self._levels, out=q)
         return scales, q.reshape(-1)[: x.size].astype(np.int8)
+
+    def _block_scales(self, magnitude: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """Each block's scale (a row of ``magnitude``: ``f32(max / L)``, 0 below 2**-126)
+        and what its values are divided by (the scale; 1 for a zero block, so 0/0 is
+        never computed)."""
+        m = magnitude.max(axis=1) if magnitude.size else np.zeros(0, np.float32)
+        scales = m / self._levels
+        scales[scales < _TINY] = 0.0
+        return scales, np.where(scales == 0, _ONE, scales)[:, None]
 
     def _round(self, t: np.ndarray, zero: np.ndarray) -> None:
         """``t = x / scale`` to its level, in place: the nearest integer (ties upward);
@@ -344,10 +352,6 @@ _INT4_PAIRS = _int4_pairs()
 INT2_BLOCK = 64
 """Values per int2 scale: 4/64 = 0.06 extra bytes a value, 0.31 in all."""
 
-_TWO = _F32(2.0)
-_ONE = _F32(1.0)
-
-
 class Int2Codec(Int8Codec):
     """Blockwise absmax with 2-bit values: four levels, ``q`` in {-3, -1, 1, 3}.
 
@@ -376,11 +380,7 @@ class Int2Codec(Int8Codec):
         _round_odd(t, zero)
 
     def _pack(self, q: np.ndarray) -> bytes:
-        codes = np.zeros(4 * self.values_size(q.size), np.uint8)
-        codes[: q.size] = (q + 3) // 2
-        codes = codes.reshape(-1, 4)
-        return (codes[:, 0] | (codes[:, 1] << 2) | (codes[:, 2] << 4)
-                | (codes[:, 3] << 6)).astype(np.uint8).tobytes()
+        return _pack_crumbs(q).tobytes()
 
     def _check_values(self, raw: memoryview, size: int, who: str) -> None:
         pad = 4 * self.values_size(size) - size
@@ -394,6 +394,15 @@ class Int2Codec(Int8Codec):
         packed = np.frombuffer(raw, dtype=np.uint8, count=last - first, offset=first)
         skip = start - 4 * first
         return _INT2_QUADS[packed].reshape(-1)[skip: skip + stop - start].copy()
+
+
+def _pack_crumbs(q: np.ndarray) -> np.ndarray:
+    """Odd levels ``q`` (-3..3, along the last axis) as 2-bit codes ``(q + 3) / 2``, four
+    to a byte, lowest bits first; a last byte's missing codes are 0."""
+    codes = np.zeros((*q.shape[:-1], 4 * -(-q.shape[-1] // 4)), np.uint8)
+    codes[..., : q.shape[-1]] = (q + 3) // 2
+    return (codes[..., 0::4] | (codes[..., 1::4] << 2) | (codes[..., 2::4] << 4)
+            | (codes[..., 3::4] << 6)).astype(np.uint8)
 
 
 def _round_odd(t: np.ndarray, zero: np.ndarray) -> None:
@@ -463,16 +472,19 @@ class SparseCodec(Int8Codec):
         full, rest = divmod(size, self.block)
         return full * self._record(self.block) + (self._record(rest) if rest else 0)
 
+    def _runs(self, start: int, stop: int) -> list[tuple[int, int, int]]:
+        """``start .. stop`` (``start`` on a block) as runs ``(lo, hi, block length)`` of
+        blocks of one length: the whole blocks, then a short last one."""
+        whole = start + (stop - start) // self.block * self.block
+        runs = [(start, whole, self.block)] if whole > start else []
+        return runs + ([(whole, stop, stop - whole)] if stop > whole else [])
+
     def _quantize_blocks(self, x: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-        full = x.size // self.block
         scales = np.empty(self.nblocks(x.size), np.float32)
         q = np.zeros(x.size, np.int8)
-        if full:
-            s, qf = self._quantize_whole(x[: full * self.block].reshape(full, self.block))
-            scales[:full], q[: full * self.block] = s, qf.reshape(-1)
-        if x.size > full * self.block:  # a short last block keeps min(keep, its length)
-            s, qf = self._quantize_whole(x[full * self.block:].reshape(1, -1))
-            scales[full:], q[full * self.block:] = s, qf.reshape(-1)
+        for lo, hi, length in self._runs(0, x.size):
+            s, qr = self._quantize_whole(x[lo:hi].reshape(-1, length))
+            scales[lo // self.block: lo // self.block + s.size], q[lo:hi] = s, qr.reshape(-1)
         return scales, q
 
     def _quantize_whole(self, blocks: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
@@ -482,9 +494,7 @@ class SparseCodec(Int8Codec):
         k = self._kept(blocks.shape[1])
         order = np.argsort(-magnitude, axis=1, kind="stable")[:, :k]
         rows = np.arange(blocks.shape[0])[:, None]
-        scales = magnitude.max(axis=1) / self._levels
-        scales[scales < _TINY] = 0.0
-        divisor = np.where(scales == 0, _ONE, scales)[:, None]
+        scales, divisor = self._block_scales(magnitude)
         kept = np.divide(blocks[rows, order], divisor)
         _round_odd(kept, magnitude[rows, order] == 0)
         np.clip(kept, -self._levels, self._levels, out=kept)
@@ -493,62 +503,43 @@ class SparseCodec(Int8Codec):
         return scales, q
 
     def _pack(self, q: np.ndarray) -> bytes:
-        full = q.size // self.block
-        parts = []
-        if full:
-            parts.append(self._pack_whole(q[: full * self.block].reshape(full, self.block)))
-        if q.size > full * self.block:
-            parts.append(self._pack_whole(q[full * self.block:].reshape(1, -1)))
-        return b"".join(parts)
-
-    def _pack_whole(self, q: np.ndarray) -> bytes:
-        """Records of blocks of one length: each row's kept values (its non-zero q)."""
-        k = self._kept(q.shape[1])
-        idx = np.argsort(q == 0, axis=1, kind="stable")[:, :k]  # non-zero first, in order
-        codes = np.zeros((q.shape[0], 4 * -(-k // 4)), np.uint8)
-        codes[:, :k] = (np.take_along_axis(q, idx, axis=1) + 3) // 2
-        packed = (codes[:, 0::4] | (codes[:, 1::4] << 2) | (codes[:, 2::4] << 4)
-                  | (codes[:, 3::4] << 6))
-        return np.concatenate([idx.astype(np.uint8), packed], axis=1).tobytes()
-
-    def _record_arrays(self, raw: memoryview, start: int, stop: int
-                       ) -> list[tuple[int, int, np.ndarray, np.ndarray]]:
-        """(first value, block length, indices [n, k], codes [n, 4 ceil(k / 4)]) of the
-        blocks of ``start .. stop`` (``start`` on a block), in runs of one length."""
         out = []
-        full_stop = start + (stop - start) // self.block * self.block
-        runs = [(start, full_stop, self.block)]
-        if stop > full_stop:
-            runs.append((full_stop, stop, stop - full_stop))
-        for lo, hi, length in runs:
-            n = (hi - lo) // length if hi > lo else 0
-            if n == 0:
-                continue
-            k, rec = self._kept(length), self._record(length)
-            at = self.values_size(lo)
-            recs = np.frombuffer(raw, dtype=np.uint8, count=n * rec, offset=at).reshape(n, rec)
-            idx = recs[:, :k]
-            packed = recs[:, k:]
-            codes = np.stack([(packed >> (2 * j)) & 3 for j in range(4)], axis=2)
-            out.append((lo, length, idx, codes.reshape(n, -1)))
+        for lo, hi, length in self._runs(0, q.size):
+            blocks = q[lo:hi].reshape(-1, length)
+            # each block's kept values are its non-zero q: their indices, in order
+            idx = np.argsort(blocks == 0, axis=1, kind="stable")[:, : self._kept(length)]
+            codes = _pack_crumbs(np.take_along_axis(blocks, idx, axis=1))
+            out.append(np.concatenate([idx.astype(np.uint8), codes], axis=1).tobytes())
+        return b"".join(out)
+
+    def _records(self, raw: memoryview, start: int, stop: int
+                 ) -> list[tuple[int, int, np.ndarray, np.ndarray]]:
+        """(first value, block length, indices [n, k], levels [n, 4 ceil(k / 4)]) of the
+        blocks of ``start .. stop`` (``start`` on a block), in runs of one length; a
+        padding code (0) reads as the level -3."""
+        out = []
+        for lo, hi, length in self._runs(start, stop):
+            n, k, rec = (hi - lo) // length, self._kept(length), self._record(length)
+            recs = np.frombuffer(raw, dtype=np.uint8, count=n * rec,
+                                 offset=self.values_size(lo)).reshape(n, rec)
+            out.append((lo, length, recs[:, :k], _INT2_QUADS[recs[:, k:]].reshape(n, -1)))
         return out
 
     def _check_values(self, raw: memoryview, size: int, who: str) -> None:
-        for _, length, idx, codes in self._record_arrays(raw, 0, size):
+        for _, length, idx, levels in self._records(raw, 0, size):
             k = idx.shape[1]
             if k > 1 and not (idx[:, 1:] > idx[:, :-1]).all():
                 raise GradientError(f"{who}: {self.name} indices not strictly increasing")
             if (idx >= length).any():
                 raise GradientError(f"{who}: a {self.name} index past its block's end")
-            if codes[:, k:].any():
+            if (levels[:, k:] != -3).any():  # code 0
                 raise GradientError(f"{who}: the {self.name} padding codes are not 0")
 
     def _values_range(self, raw: memoryview, start: int, stop: int) -> np.ndarray:
         out = np.zeros(stop - start, np.float32)
-        for lo, length, idx, codes in self._record_arrays(raw, start, stop):
-            k = idx.shape[1]
+        for lo, length, idx, levels in self._records(raw, start, stop):
             base = (lo - start) + length * np.arange(idx.shape[0])[:, None]
-            out[(base + idx).reshape(-1)] = (2 * codes[:, :k].astype(np.float32) - 3).reshape(-1)
+            out[(base + idx).reshape(-1)] = levels[:, : idx.shape[1]].reshape(-1)
         return out
 
 
