@@ -22,6 +22,8 @@ import statistics
 import subprocess
 import sys
 import time
+from collections.abc import Callable
+from typing import Any
 
 from bench import _switch
 from bench._group import ENV, ROOT, free_port
@@ -56,24 +58,18 @@ async def _end(role: str, server: str, hosts: list[str], transport: str, size: i
                         await m.send(e.peer, wire.Halt(0, "ack"))
                 elif isinstance(e.message, wire.Halt) and e.message.reason == "done":
                     return
-        while not isinstance(e := await asyncio.wait_for(m.next_event(), 120), PeerUp):
-            pass
-        peer = e.peer
+        peer = (await _until(m, lambda e: isinstance(e, PeerUp), 120)).peer
         rtts = []
         for i in range(PINGS):
             t0 = time.perf_counter()
             await m.send(peer, wire.Halt(i, "ping"))
-            while not (isinstance(r := await asyncio.wait_for(m.next_event(), 120), Received)
-                       and isinstance(r.message, wire.Halt) and r.message.step == i):
-                pass
+            await _until(m, lambda e, i=i: _halt(e, step=i), 120)
             rtts.append(time.perf_counter() - t0)
         payload = os.urandom(size - size % 4)
         t0 = time.perf_counter()
         for i in range(count):
             await m.send(peer, wire.Contribution(i, m.self_id, payload))
-        while not (isinstance(r := await asyncio.wait_for(m.next_event(), 600), Received)
-                   and isinstance(r.message, wire.Halt) and r.message.reason == "ack"):
-            pass
+        await _until(m, lambda e: _halt(e, reason="ack"), 600)
         seconds = time.perf_counter() - t0
         await m.send(peer, wire.Halt(0, "done"))
         await asyncio.sleep(1.0)
@@ -81,6 +77,23 @@ async def _end(role: str, server: str, hosts: list[str], transport: str, size: i
                           "mb_s": count * len(payload) / seconds / 1e6}), flush=True)
     finally:
         await m.close()
+
+
+async def _until(m: Any, wanted: Callable[[Any], bool], timeout: float) -> Any:
+    """The mesh's next event that is ``wanted`` (the others are dropped)."""
+    while not wanted(e := await asyncio.wait_for(m.next_event(), timeout)):
+        pass
+    return e
+
+
+def _halt(e: Any, step: int | None = None, reason: str | None = None) -> bool:
+    """Whether ``e`` received a Halt of that step or reason (the bench's small message)."""
+    from daisyweb.net.mesh import Received
+    from daisyweb.protocol import wire
+
+    return (isinstance(e, Received) and isinstance(e.message, wire.Halt)
+            and (step is None or e.message.step == step)
+            and (reason is None or e.message.reason == reason))
 
 
 def measure(delay_ms: float, loss: float, transport: str, size: int,

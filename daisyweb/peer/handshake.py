@@ -1,5 +1,5 @@
 """The start handshake: the leader's starting state and its wait for ``--wait-peers``;
-a follower's wait for ``Config`` + ``Snapshot`` and their validation.
+a follower's wait for ``Config`` + ``SnapshotPlan``, its download and their validation.
 
 The leader (``--start``) sends ``Config`` then a ``SnapshotPlan`` of the current
 boundary to each peer that connects; a follower validates the config (the wire decoder
@@ -255,7 +255,7 @@ async def await_snapshot(queue: asyncio.Queue[Item], on_up: Callable[[str], None
                 download = Download(leader, run, plans[leader], tokenizer,
                                     set(connected()), now)
             except (PieceError, ValueError, wire.WireError) as exc:
-                raise PeerError(1, f"refused the snapshot from {leader}: {exc}") from None
+                raise _refused(leader, exc) from None
             ask(download.requests())
         if download is not None:
             if leader is not None and download.leader != leader:
@@ -338,10 +338,14 @@ async def await_snapshot(queue: asyncio.Queue[Item], on_up: Callable[[str], None
                     plans.pop(download.leader, None)
                     download = None
                 except PieceError as exc:
-                    raise PeerError(1, f"refused the snapshot from {download.leader}: "
-                                       f"{exc}") from None
+                    raise _refused(download.leader, exc) from None
             continue
         held.append(item)
+
+
+def _refused(leader: str, why: Exception) -> PeerError:
+    """The one line (exit 1) a follower ends with when its leader's offer is wrong."""
+    return PeerError(1, f"refused the snapshot from {leader}: {why}")
 
 
 def _refusing(download: Download,
@@ -351,7 +355,7 @@ def _refusing(download: Download,
     try:
         return step(now)
     except PieceError as exc:
-        raise PeerError(1, f"refused the snapshot from {download.leader}: {exc}") from None
+        raise _refused(download.leader, exc) from None
 
 
 def _checked_start(download: Download, held: deque[Item], term: int) -> FollowerStart:
@@ -359,7 +363,7 @@ def _checked_start(download: Download, held: deque[Item], term: int) -> Follower
     try:
         state = download.state()
     except (PieceError, ValueError) as exc:
-        raise PeerError(1, f"refused the snapshot from {download.leader}: {exc}") from None
+        raise _refused(download.leader, exc) from None
     if download.fresh is not None:
         log(f"made the state of boundary {download.plan.step} from the run's seed "
             "(its hash is the group's)")

@@ -65,6 +65,11 @@ class Layout:
     size: int
     lockstep: bool  # the moments are shared (and hashed) too, so a joiner takes them
 
+    @classmethod
+    def of(cls, run: RunConfig) -> Layout:
+        """The layout of ``run``'s state: both ends derive it from the run alone."""
+        return cls(param_count(run.model), run.sync_every == 1)
+
     @property
     def piece_floats(self) -> int:
         return max(MIN_PIECE_FLOATS, -(-self.size // PIECES_PER_ARRAY))
@@ -101,7 +106,7 @@ def plan_for(state: TrainState, step: int, group_hash: str, holders: tuple[str, 
              tokenizer: tuple[int, str]) -> wire.SnapshotPlan:
     """The leader's offer of boundary ``step`` (``state`` is at it; ``group_hash`` is what
     its replica publishes there)."""
-    layout = Layout(state.size, state.run.sync_every == 1)
+    layout = Layout.of(state.run)
     digests = tuple(wire.payload_digest(piece_bytes(state, layout, k))
                     for k in range(layout.count))
     return wire.SnapshotPlan(step, group_hash, state.optimizer.step_count, tokenizer[0],
@@ -123,7 +128,7 @@ class PieceServer:
         refused = wire.Piece(msg.step, msg.piece, b"")
         if state is None or msg.step != boundary:
             return refused
-        layout = Layout(state.size, state.run.sync_every == 1)
+        layout = Layout.of(state.run)
         key = (peer, msg.step, msg.piece)
         if msg.piece >= layout.count or key in self._served:
             return refused
@@ -150,8 +155,8 @@ class Download:
         self.leader = leader
         self.run = run
         self.plan = plan
-        size = param_count(run.model)
-        self.layout = layout = Layout(size, run.sync_every == 1)
+        self.layout = layout = Layout.of(run)
+        size = layout.size
         if (plan.vocab_size, plan.tokenizer_hash) != tokenizer:
             raise PieceError(f"the run uses tokenizer {plan.vocab_size}/"
                              f"{plan.tokenizer_hash[:16]} but this peer has "

@@ -622,32 +622,40 @@ def test_int4_property_round_trip_bound_and_determinism(x: np.ndarray, block: in
     _assert_round_trip(Int4Codec(block), x)
 
 
+@pytest.mark.parametrize("codec", [INT4, SPARSE], ids=["int4", "sparse"])
 @settings(max_examples=60, deadline=None)
 @given(st.binary(min_size=0, max_size=200))
-def test_int4_decode_of_random_bytes_is_finite_or_refused(raw: bytes) -> None:
-    size = 2 * B4 + 3
-    n = INT4.payload_size(size)
+def test_decode_of_random_bytes_is_finite_or_refused(codec: Int8Codec, raw: bytes) -> None:
+    size = 2 * codec.block + 3
+    n = codec.payload_size(size)
     raw = (raw * (n // max(len(raw), 1) + 1))[:n] if raw else bytes(n)
     try:
-        out = INT4.decode(raw, size)
+        out = codec.decode(raw, size)
     except GradientError:
         return
     assert out.dtype == np.float32 and out.shape == (size,) and np.all(np.isfinite(out))
 
 
-def test_int4_error_feedback_sum_tracks_the_true_sum() -> None:
-    size = 5 * B4 + 3
+def _feedback_sums(codec: Int8Codec, size: int, rounds: int, seed: int
+                   ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """(what the bytes of ``rounds`` error-fed contributions carried, their true sum, the
+    residual left); each contribution's own decode checked against its payload's."""
     ef = ErrorFeedback(size)
     true_sum = np.zeros(size, np.float64)
     sent_sum = np.zeros(size, np.float64)
-    for r in range(30):
-        v = _vec(size, seed=60 + r)
-        payload, decoded = ef.encode_decoded(INT4, v)
+    for r in range(rounds):
+        v = _vec(size, seed=seed + r)
+        payload, decoded = ef.encode_decoded(codec, v)
         true_sum += v
         sent_sum += decoded
-        assert decoded.tobytes() == INT4.decode(payload, size).tobytes()
+        assert decoded.tobytes() == codec.decode(payload, size).tobytes()
+    return sent_sum, true_sum, ef.residual
+
+
+def test_int4_error_feedback_sum_tracks_the_true_sum() -> None:
+    sent_sum, true_sum, residual = _feedback_sums(INT4, 5 * B4 + 3, 30, seed=60)
     # what all rounds' bytes carried differs from the true sum by the last residual only
-    assert np.allclose(sent_sum + ef.residual, true_sum, rtol=1e-5, atol=1e-9)
+    assert np.allclose(sent_sum + residual, true_sum, rtol=1e-5, atol=1e-9)
 
 
 def test_int4_decodes_every_byte_as_its_two_nibbles() -> None:
@@ -798,17 +806,8 @@ def test_int2_property_round_trip_and_determinism(x: np.ndarray, block: int) -> 
 
 
 def test_int2_error_feedback_sum_tracks_the_true_sum() -> None:
-    size = 5 * B2 + 3
-    ef = ErrorFeedback(size)
-    true_sum = np.zeros(size, np.float64)
-    sent_sum = np.zeros(size, np.float64)
-    for r in range(30):
-        v = _vec(size, seed=80 + r)
-        payload, decoded = ef.encode_decoded(INT2, v)
-        true_sum += v
-        sent_sum += decoded
-        assert decoded.tobytes() == INT2.decode(payload, size).tobytes()
-    assert np.allclose(sent_sum + ef.residual, true_sum, rtol=1e-5, atol=1e-9)
+    sent_sum, true_sum, residual = _feedback_sums(INT2, 5 * B2 + 3, 30, seed=80)
+    assert np.allclose(sent_sum + residual, true_sum, rtol=1e-5, atol=1e-9)
 
 
 # -- sparse -----------------------------------------------------------------------------
@@ -899,31 +898,9 @@ def test_sparse_refuses_indices_out_of_order_or_range_and_set_padding(damage: st
 
 
 def test_sparse_error_feedback_sends_everything_in_time() -> None:
-    size = 3 * BS + 7
-    ef = ErrorFeedback(size)
-    true_sum = np.zeros(size, np.float64)
-    sent_sum = np.zeros(size, np.float64)
-    for r in range(40):
-        v = _vec(size, seed=100 + r)
-        payload, decoded = ef.encode_decoded(SPARSE, v)
-        true_sum += v
-        sent_sum += decoded
-        assert decoded.tobytes() == SPARSE.decode(payload, size).tobytes()
-    assert np.allclose(sent_sum + ef.residual, true_sum, rtol=1e-5, atol=1e-7)
+    sent_sum, true_sum, residual = _feedback_sums(SPARSE, 3 * BS + 7, 40, seed=100)
+    assert np.allclose(sent_sum + residual, true_sum, rtol=1e-5, atol=1e-7)
     assert not np.allclose(sent_sum, true_sum, rtol=1e-2)  # what waits is real
-
-
-@settings(max_examples=60, deadline=None)
-@given(st.binary(min_size=0, max_size=200))
-def test_sparse_decode_of_random_bytes_is_finite_or_refused(raw: bytes) -> None:
-    size = 2 * BS + 3
-    n = SPARSE.payload_size(size)
-    raw = (raw * (n // max(len(raw), 1) + 1))[:n] if raw else bytes(n)
-    try:
-        out = SPARSE.decode(raw, size)
-    except GradientError:
-        return
-    assert out.dtype == np.float32 and out.shape == (size,) and np.all(np.isfinite(out))
 
 
 def test_sparse_keeps_what_a_flush_to_zero_machine_keeps() -> None:
