@@ -118,7 +118,7 @@ FIELD_RULES: MappingProxyType[str, FieldRule] = MappingProxyType({
     "sync_every": FieldRule(int, 1, MAX_SYNC_EVERY, "a positive integer"),
     "outer_lr": FieldRule(float, 0.0, MAX_LR, f"a positive number up to {MAX_LR:g}",
                           lo_open=True),
-    "overlap": FieldRule(int, 0, MAX_SYNC_EVERY - 1, "an integer >= 0"),
+    "overlap": FieldRule(int, 0, MAX_SYNC_EVERY, "an integer >= 0"),
 })
 MODEL_FIELDS = ("vocab", "width", "layers", "heads", "seq")
 RUN_FIELDS = ("batch", "steps", "lr", "seed", "data")
@@ -170,8 +170,9 @@ def check_rounds(sync_every: Any, codec: Any, outer_lr: Any, overlap: Any = 0) -
     if codec not in CODEC_NAMES:
         raise ValueError(f"codec must be one of {', '.join(CODEC_NAMES)}, got {codec!r:.40}")
     check_field("overlap", overlap)
-    if overlap and overlap >= sync_every:
-        raise ValueError(f"overlap must be less than sync_every ({sync_every}), got {overlap}")
+    if overlap and (overlap > sync_every or sync_every == 1):
+        raise ValueError(f"overlap must be at most sync_every ({sync_every}) and 0 in "
+                         f"lockstep, got {overlap}")
 
 
 def default_overlap(sync_every: int) -> int:

@@ -57,7 +57,8 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--outer-lr", type=float, help=f"default {DEFAULTS['outer_lr']}")
     p.add_argument("--overlap", type=int, metavar="K",
                    help="steps of each round run while the last exchange is in flight "
-                        f"(default {DEFAULTS['overlap']}, below --sync-every)")
+                        f"(default {DEFAULTS['overlap']}; at most --sync-every: the whole "
+                        "round, the group's update applied a round later)")
     p.add_argument("--capacity", choices=("on", "off"), default="on",
                    help="faster peers take a bigger share of each step's sequences "
                         "(default on)")

@@ -194,9 +194,9 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
                 setattr(args, f, DEFAULTS[f])
         if args.overlap is None:
             args.overlap = default_overlap(args.sync_every)
-        elif args.overlap and args.overlap >= args.sync_every:
-            parser.error(f"--overlap {args.overlap} must be less than --sync-every "
-                         f"{args.sync_every}")
+        elif args.overlap and (args.overlap > args.sync_every or args.sync_every == 1):
+            parser.error(f"--overlap {args.overlap} must be at most --sync-every "
+                         f"{args.sync_every} (and 0 in lockstep)")
         try:
             check_heads(args.width, args.heads)
         except ValueError:

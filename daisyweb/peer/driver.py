@@ -64,6 +64,7 @@ from daisyweb.peer.report import Report
 from daisyweb.peer.spill import SpillArchive
 from daisyweb.protocol import budget, sync, wire
 from daisyweb.protocol.influence import CLIP_FACTOR
+from daisyweb.training.overlap import OverlapGauge
 from daisyweb.training.rounds import BatchFn, Contribution, HeadStart, RoundTrainer
 from daisyweb.training.state import TrainState, probe_hash
 
@@ -115,6 +116,7 @@ class Driver:
         self.tasks: list[asyncio.Task[None]] = []
         self.pump: asyncio.Task[None] | None = None  # mesh events into the queue
         self.head: PendingHead | None = None  # at most one, and never beside a compute
+        self.overlap = OverlapGauge()  # how far ahead the next head start runs
         self.corpus: asyncio.Future[object]  # the built-in corpus being encoded (main)
         self.rows = 0  # sequences per inner step of our last contribution (set by _compute)
         self.result: tuple[int, str] | None = None
@@ -416,6 +418,7 @@ class Driver:
         if item.secs > 0 and item.sequences:
             m.speed = item.sequences / item.secs  # published with our next hashes
         self.trainer.stage(contribution)
+        self.overlap.ready(step, now, item.secs, self.trainer.steps_in(step))
         current = not m.done and step == m.boundary
         actions = m.local_contribution(step, contribution.loss, contribution.vector, now)
         await self._do(actions)
@@ -425,13 +428,16 @@ class Driver:
             self._start_head(m, step + 1, dataclasses.replace(contribution, vector=_NO_VECTOR))
 
     def _start_head(self, m: sync.StepMachine, index: int, previous: Contribution) -> None:
-        """Start round ``index``'s first ``overlap`` steps while this exchange is in flight."""
+        """Start round ``index``'s first steps while this exchange is in flight: as many
+        as the last exchanges took, up to the run's ``overlap`` (``training.overlap``)."""
         assert self.state is not None
-        overlap = self.state.run.overlap
-        if (not overlap or not isinstance(self.trainer, RoundTrainer)
-                or index >= m.total_steps or self.head is not None):
+        if (not isinstance(self.trainer, RoundTrainer) or index >= m.total_steps
+                or self.head is not None):
             return
         trainer = self.trainer
+        steps = self.overlap.steps(self.state.run.overlap, trainer.steps_in(index))
+        if not steps:
+            return
         t0 = time.perf_counter()
 
         def finished(_: object) -> None:
@@ -441,7 +447,7 @@ class Driver:
         # (speeds change slowly); if not, the head start is dropped (_take_head).
         rows = self.rows or self.feed.run.batch
         future = asyncio.get_running_loop().run_in_executor(
-            None, trainer.head_start, index, self._batch_fn(rows), previous, overlap)
+            None, trainer.head_start, index, self._batch_fn(rows), previous, steps)
         future.add_done_callback(finished)
         self.report.head_started(index)
         self.head = PendingHead(index, future, rows)
@@ -501,6 +507,7 @@ class Driver:
                 self.tasks.append(asyncio.create_task(self._compute(a.step, a.sequences)))
             elif isinstance(a, sync.Commit):
                 self.plan = None  # the boundary moved (or a rollback recommitted)
+                self.overlap.committed(a.step, time.monotonic())
                 if a.clipped:
                     log(f"{self._unit()} {a.step}: held the contribution of "
                         f"{', '.join(a.clipped)} to {CLIP_FACTOR:g}x the median norm")

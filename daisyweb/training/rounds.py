@@ -32,6 +32,12 @@ the anchor ``a'`` arrives, :meth:`RoundTrainer.contribute` goes on from
 the round, and the delta is measured from ``a'`` as in any round. Only what a member computes
 changes; the shared state still comes from the decoded bytes alone.
 
+With ``K = H`` the whole round runs ahead: round ``r + 1`` is computed while round ``r``'s
+bytes cross, its delta is its own progress, and round ``r``'s mean is applied at round
+``r + 1``'s end, one round late (the member's own progress stands in for the group's
+meanwhile, as in DiLoCo with eager updates). The link then has a whole round of compute
+to carry a contribution; what the delay costs is measured by ``python -m bench.overlap``.
+
 Threads: :meth:`contribute` runs in a worker thread while the event loop may roll the
 replica back (an amended roster), so it works on copies and touches no shared state;
 the new inner state is handed over with :meth:`stage` and adopted only when the round
@@ -286,11 +292,11 @@ class RoundTrainer:
     def head_start(self, index: int, batch: BatchFn, previous: Contribution,
                    steps: int) -> HeadStart | None:
         """Up to ``steps`` inner steps of round ``index`` from ``previous`` (this member's
-        contribution to round ``index - 1``): its end weights and inner moments. At
-        least one step of the round is left for after the anchor arrives; None when the
-        round does not exist or there is nothing to start."""
+        contribution to round ``index - 1``): its end weights and inner moments, at most
+        the whole round; None when the round does not exist or there is nothing to
+        start."""
         n = self.steps_in(index)
-        k = min(steps, n - 1)
+        k = min(steps, n)
         if k <= 0 or previous.index != index - 1 or previous.local is None \
                 or previous.inner is None:
             return None

@@ -25,7 +25,7 @@ def test_bounds_are_the_wire_configs() -> None:
         "seed": [-1, 0, rules.MAX_SEED, rules.MAX_SEED + 1],
         "sync_every": [0, 1, rules.MAX_SYNC_EVERY, rules.MAX_SYNC_EVERY + 1],
         "outer_lr": [0.0, 0.5, rules.MAX_LR, rules.MAX_LR + 1e-6, float("inf")],
-        "overlap": [-1, 0, 1, rules.MAX_SYNC_EVERY - 1, rules.MAX_SYNC_EVERY, True],
+        "overlap": [-1, 0, 1, rules.MAX_SYNC_EVERY, rules.MAX_SYNC_EVERY + 1, True],
     }
     for name, values in edges.items():
         for value in values:
@@ -66,10 +66,11 @@ def test_check_field_says_the_rule() -> None:
         rules.check_field("width", rules.MAX_DIM + 1)
 
 
-def test_overlap_is_less_than_the_round_on_the_wire_and_in_the_rules() -> None:
+def test_overlap_is_at_most_the_round_and_none_in_lockstep() -> None:
     base = dict(rules.DEFAULTS, vocab=9, width=8, heads=2)
-    for sync_every, overlap, ok in [(32, 31, True), (32, 32, False), (32, 40, False),
-                                    (1, 0, True), (1, 1, False), (2, 1, True)]:
+    for sync_every, overlap, ok in [(32, 31, True), (32, 32, True), (32, 33, False),
+                                    (32, 40, False), (1, 0, True), (1, 1, False),
+                                    (2, 1, True), (2, 2, True)]:
         d = dict(base, sync_every=sync_every, overlap=overlap)
         try:
             wire.Config.from_dict(d)
@@ -80,7 +81,7 @@ def test_overlap_is_less_than_the_round_on_the_wire_and_in_the_rules() -> None:
         if ok:
             rules.check_rounds(sync_every, "int8", 1.0, overlap)
         else:
-            with pytest.raises(ValueError, match="overlap must be less than sync_every"):
+            with pytest.raises(ValueError, match="overlap must be at most sync_every"):
                 rules.check_rounds(sync_every, "int8", 1.0, overlap)
 
 

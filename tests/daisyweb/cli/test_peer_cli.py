@@ -34,6 +34,8 @@ S = ["--server", "http://127.0.0.1:9"]
         ([*S, "--start", "--batch", "2147483649"], "positive integer"),
         ([*S, "--start", "--width", "30", "--heads", "4"], "not divisible"),
         ([*S, "--start", "--seed", "-2"], ">= 0"),
+        ([*S, "--start", "--sync-every", "8", "--overlap", "9"], "at most --sync-every 8"),
+        ([*S, "--start", "--sync-every", "1", "--overlap", "1"], "0 in lockstep"),
         ([*S, "--save-every", "5"], "needs --save"),
         ([*S, "--join-timeout", "0"], "positive number"),
         ([*S, "--wait-peers", "3"], "needs --start"),
@@ -79,6 +81,8 @@ def test_good_flags() -> None:
     assert a.stun == ["stun:a", "stun:b"] and a.ice_host == ["127.0.0.1"]
     opts = options_from_args(a)
     assert opts.model == {"width": 16, "layers": peer.DEFAULTS["layers"], "heads": 2, "seq": 64}
+    whole = peer.parse_args([*S, "--start", "--sync-every", "8", "--overlap", "8"])
+    assert (whole.sync_every, whole.overlap) == (8, 8)  # the whole round overlaps
     f = peer.parse_args([*S, "--room", "abcd", "--name", "x"])
     assert not f.start and f.width is None and options_from_args(f).model is None
 

@@ -858,9 +858,9 @@ def test_rounds_three_peers_identical_at_every_boundary_equal_to_replay(group: G
         assert [(r["round"], r["step"]) for r in p.steps()] == [(1, 2), (2, 4), (3, 6), (4, 7)]
         assert all(r["mode"] == f"rounds H=2 {codec}" for r in p.steps())
         assert p.end()["end"] == "done"
-        # --overlap defaults to 1 step here: every round after the first (and but the
-        # last, which has one step) began while the previous exchange was in flight.
-        assert [r["head_steps"] for r in p.steps()] == [0, 1, 1, 0]
+        # --overlap defaults to 1 step here: every round after the first (the last one,
+        # of one step, whole) began while the previous exchange was in flight.
+        assert [r["head_steps"] for r in p.steps()] == [0, 1, 1, 1]
         assert all(r["comm_s"] <= r["exchange_s"] for r in p.steps())
     assert all(r["owners"] for r in lead.steps())  # three members: the owner exchange
     hashes = same_hashes(lead, a, b)
@@ -1163,6 +1163,33 @@ async def test_a_head_start_over_another_share_is_dropped() -> None:
         driver.head = PendingHead(7, future, 4)
         assert await driver._take_head(7, rows) == want
         assert driver.head is None
+
+
+async def test_a_head_start_runs_ahead_as_far_as_the_last_exchange_took() -> None:
+    """The run's overlap is the most a member runs ahead; it takes only what its measured
+    exchange needs (``training.overlap``): staler steps cost held-out loss."""
+    from types import SimpleNamespace
+
+    from daisyweb.peer.driver import Driver
+    from daisyweb.training.overlap import OverlapGauge
+    from daisyweb.training.rounds import RoundTrainer
+
+    asked: list[int] = []
+    trainer = RoundTrainer.__new__(RoundTrainer)
+    trainer.steps_in = lambda index: 8  # type: ignore[method-assign]
+    trainer.head_start = lambda index, batch, previous, steps: asked.append(steps)  # type: ignore[method-assign]
+    driver = Driver.__new__(Driver)
+    driver.state = SimpleNamespace(run=SimpleNamespace(overlap=8))
+    driver.trainer, driver.head, driver.rows = trainer, None, 4
+    driver.feed = SimpleNamespace(run=SimpleNamespace(batch=4), batch=lambda i: None)
+    driver.report = SimpleNamespace(head_started=lambda i: None,
+                                    head_finished=lambda *a: None)
+    driver.overlap = OverlapGauge()
+    driver.overlap.ready(3, now=1.0, compute_s=1.0, steps=8)  # 0.125 s a step
+    driver.overlap.committed(3, now=1.25)  # a 0.25 s exchange: 2 steps, and a quarter
+    driver._start_head(SimpleNamespace(total_steps=10), 5, None)
+    await driver.head.future
+    assert asked == [3]
 
 
 # --------------------------------------------------------------------------- TURN

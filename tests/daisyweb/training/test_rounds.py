@@ -292,14 +292,17 @@ def _reference_round(run: RunConfig, anchor: np.ndarray, inner: dict, base: np.n
     opt.load_state_dict(inner)
     w = base.copy()
     first = r * run.sync_every
-    for j in range(round_length(r, run.steps, run.sync_every)):
+    n = round_length(r, run.steps, run.sync_every)
+    for j in range(n):
         if j == k:
             w = anchor - (base - w)
         opt.step(w, loss_and_grad(run.model, w, batch(first + j))[1])
+    if k == n:  # the whole round ran ahead: its progress goes onto the anchor at its end
+        w = anchor - (base - w)
     return anchor - w, opt.state_dict()
 
 
-@pytest.mark.parametrize("k", [1, 3])
+@pytest.mark.parametrize("k", [1, 3, 4])  # 4: the whole round
 def test_a_head_start_is_k_steps_from_the_own_weights_moved_onto_the_anchor(k: int) -> None:
     run = _run(12, 4)
     trainers = {p: RoundTrainer(TrainState.fresh(run), 4) for p in "ab"}
@@ -350,12 +353,14 @@ def test_no_head_start_without_a_round_left_or_from_another_round() -> None:
     c0 = t.contribute(0, _batches("a"))
     assert t.head_start(2, _batches("a"), c0, 2) is None  # c0 is not round 1's
     c1 = t.contribute(1, _batches("a"))
-    assert t.head_start(2, _batches("a"), c1, 2) is None  # round 2 has one step: none left
-    assert t.head_start(1, _batches("a"), c0, 9).steps == 3  # one step stays for later
+    assert t.head_start(2, _batches("a"), c1, 2).steps == 1  # round 2 has one step
+    assert t.head_start(1, _batches("a"), c0, 9).steps == 4  # at most the whole round
+    assert t.head_start(1, _batches("a"), c0, 0) is None  # no overlap asked
     assert t.head_start(3, _batches("a"), c1, 2) is None  # no round 3
 
 
-def test_head_starts_keep_members_identical_and_equal_to_replay() -> None:
+@pytest.mark.parametrize("k", [2, 4])  # 4: whole rounds, each applied a round later
+def test_head_starts_keep_members_identical_and_equal_to_replay(k: int) -> None:
     """A group in which every member head-starts every round: identical at every boundary,
     and the replay oracle of the decoded contributions gives the same hashes."""
     run = _run(12, 4)
@@ -366,7 +371,7 @@ def test_head_starts_keep_members_identical_and_equal_to_replay() -> None:
     for r in range(3):
         contributions = {}
         for p, t in trainers.items():
-            head = t.head_start(r, _batches(p), previous[p], 2) if p in previous else None
+            head = t.head_start(r, _batches(p), previous[p], k) if p in previous else None
             c = t.contribute(r, _batches(p), head)
             t.stage(c)
             previous[p] = contributions[p] = c

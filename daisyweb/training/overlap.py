@@ -1,0 +1,66 @@
+"""How many steps of the next round a member runs ahead (``--overlap K``, a head start).
+
+A head start hides the exchange behind compute, but each step taken before the group's
+update is known trains on staler weights (``python -m bench.overlap`` measures what that
+costs in held-out loss). So a member runs ahead only as far as its link needs: the steps
+its last exchanges took, at its own measured seconds per step, and a quarter more, at
+least one step and at most the run's ``overlap`` (which may be the whole round: then
+round ``r``'s update is applied a round late). Before anything is measured it takes the
+run's default. The choice is this member's alone: what a member computes never changes
+the shared state, which comes from the exchanged bytes only.
+"""
+
+from __future__ import annotations
+
+import math
+from collections import deque
+from dataclasses import dataclass, field
+
+from daisyweb.rules import default_overlap
+
+__all__ = ["MARGIN", "OverlapGauge", "head_steps"]
+
+MARGIN = 1.25  # run ahead a quarter longer than the exchange took (links vary)
+_KEPT = 2  # exchanges the estimate looks back on (the longer counts)
+
+
+def head_steps(exchange_s: float | None, step_s: float | None, limit: int,
+               round_steps: int) -> int:
+    """Steps to run ahead of a round of ``round_steps`` steps, at most ``limit``.
+
+    ``exchange_s``: how long this member's last exchanges took (contribution ready to
+    round committed); ``step_s``: its compute seconds per inner step; None: not measured
+    yet, then the run's default head start."""
+    cap = min(limit, round_steps)
+    if cap <= 0:
+        return 0
+    if exchange_s is None or step_s is None or step_s <= 0.0 or not math.isfinite(exchange_s):
+        return min(cap, default_overlap(round_steps))
+    return max(1, min(cap, math.ceil(MARGIN * max(exchange_s, 0.0) / step_s)))
+
+
+@dataclass
+class OverlapGauge:
+    """What :func:`head_steps` needs, measured by a peer as its rounds go."""
+
+    ready_at: dict[int, float] = field(default_factory=dict)  # round -> contribution ready
+    exchanges: deque[float] = field(default_factory=lambda: deque(maxlen=_KEPT))
+    step_s: float | None = None
+
+    def ready(self, index: int, now: float, compute_s: float, steps: int) -> None:
+        """Round ``index``'s contribution took ``compute_s`` over ``steps`` inner steps."""
+        self.ready_at[index] = now
+        if compute_s > 0.0 and steps > 0:
+            self.step_s = compute_s / steps
+
+    def committed(self, index: int, now: float) -> None:
+        """Round ``index`` committed: its exchange took from ready to now."""
+        ready = self.ready_at.pop(index, None)
+        for old in [k for k in self.ready_at if k < index]:
+            del self.ready_at[old]
+        if ready is not None:
+            self.exchanges.append(now - ready)
+
+    def steps(self, limit: int, round_steps: int) -> int:
+        exchange = max(self.exchanges) if self.exchanges else None
+        return head_steps(exchange, self.step_s, limit, round_steps)
