@@ -2,12 +2,20 @@
 
 A head start hides the exchange behind compute, but each step taken before the group's
 update is known trains on staler weights (``python -m bench.overlap`` measures what that
-costs in held-out loss). So a member runs ahead only as far as its link needs: the steps
-its last exchanges took, at its own measured seconds per step, and a quarter more, at
-least one step and at most the run's ``overlap`` (which may be the whole round: then
-round ``r``'s update is applied a round late). Before anything is measured it takes the
-run's default. The choice is this member's alone: what a member computes never changes
-the shared state, which comes from the exchanged bytes only.
+costs in held-out loss). So a member runs ahead only as far as the group's exchange
+needs, at its own measured seconds per step and a quarter more, at least one step and at
+most the run's ``overlap`` (which may be the whole round: then round ``r``'s update is
+applied a round late). Before anything is measured it takes the run's default.
+
+What the exchange needs is the longer of two waits a member measures itself: its own
+(contribution ready to round committed: the others' bytes arriving) and the group's
+(the time between two commits less its own compute of the round). The second catches a
+member whose own wait is short because the others ran ahead of it while they waited for
+its bytes: without it, a member that led alone and a joiner settle with the joiner a
+whole round ahead and the leader's contribution still late by its whole transfer.
+
+The choice is this member's alone: what a member computes never changes the shared state,
+which comes from the exchanged bytes only.
 """
 
 from __future__ import annotations
@@ -43,23 +51,30 @@ def head_steps(exchange_s: float | None, step_s: float | None, limit: int,
 class OverlapGauge:
     """What :func:`head_steps` needs, measured by a peer as its rounds go."""
 
-    ready_at: dict[int, float] = field(default_factory=dict)  # round -> contribution ready
+    # round -> (contribution ready, its compute seconds)
+    ready_at: dict[int, tuple[float, float]] = field(default_factory=dict)
     exchanges: deque[float] = field(default_factory=lambda: deque(maxlen=_KEPT))
     step_s: float | None = None
+    last_commit: float | None = None
 
     def ready(self, index: int, now: float, compute_s: float, steps: int) -> None:
         """Round ``index``'s contribution took ``compute_s`` over ``steps`` inner steps."""
-        self.ready_at[index] = now
+        self.ready_at[index] = (now, compute_s)
         if compute_s > 0.0 and steps > 0:
             self.step_s = compute_s / steps
 
     def committed(self, index: int, now: float) -> None:
-        """Round ``index`` committed: its exchange took from ready to now."""
-        ready = self.ready_at.pop(index, None)
+        """Round ``index`` committed: the longer of this member's wait (ready to now) and
+        the group's (since the last commit, less this member's compute of the round)."""
+        mine = self.ready_at.pop(index, None)
         for old in [k for k in self.ready_at if k < index]:
             del self.ready_at[old]
-        if ready is not None:
-            self.exchanges.append(now - ready)
+        last, self.last_commit = self.last_commit, now
+        if mine is None:
+            return
+        ready, compute_s = mine
+        idle = now - last - compute_s if last is not None else 0.0
+        self.exchanges.append(max(now - ready, idle))
 
     def steps(self, limit: int, round_steps: int) -> int:
         exchange = max(self.exchanges) if self.exchanges else None

@@ -33,20 +33,34 @@ def test_never_beyond_the_round_nor_the_runs_overlap(limit: int, round_steps: in
 def test_the_gauge_measures_each_rounds_exchange_and_looks_at_the_longer_of_two() -> None:
     g = OverlapGauge()
     assert g.steps(16, 16) == 2
-    g.ready(0, now=10.0, compute_s=2.0, steps=16)  # 0.125 s a step
-    g.committed(0, now=10.5)
+    g.ready(0, now=1.0, compute_s=2.0, steps=16)  # 0.125 s a step
+    g.committed(0, now=1.5)  # waited 0.5 s: 4 steps
     assert g.steps(16, 16) == math.ceil(MARGIN * 4)
-    g.ready(1, now=20.0, compute_s=2.0, steps=16)
-    g.committed(1, now=20.125)
-    assert g.steps(16, 16) == math.ceil(MARGIN * 4)  # the slower of the last two
-    g.ready(2, now=30.0, compute_s=2.0, steps=16)
-    g.committed(2, now=30.125)
+    g.ready(1, now=3.5, compute_s=2.0, steps=16)
+    g.committed(1, now=3.625)
+    assert g.steps(16, 16) == math.ceil(MARGIN * 4)  # the longer of the last two
+    g.ready(2, now=5.625, compute_s=2.0, steps=16)
+    g.committed(2, now=5.75)
     assert g.steps(16, 16) == 2  # ceil(1.25 x 1)
     # A rollback's recommit has no ready time of its own: nothing is measured.
-    g.committed(2, now=99.0)
+    g.committed(2, now=5.75)
     assert g.steps(16, 16) == 2
-    # Rounds that never committed here (a rejoin) are forgotten at the next commit.
-    g.ready(3, now=40.0, compute_s=2.0, steps=16)
+
+
+def test_a_short_own_wait_in_a_long_round_counts_the_groups_wait() -> None:
+    """Its own contribution came last (the others ran ahead while its bytes crossed): the
+    round took 3 s for 2 s of its compute, so the group waited 1 s, on it."""
+    g = OverlapGauge()
+    g.ready(0, now=1.0, compute_s=2.0, steps=16)
+    g.committed(0, now=1.125)
+    g.ready(1, now=4.0, compute_s=2.0, steps=16)
+    g.committed(1, now=4.125)  # 0.125 s of its own wait, 3 s since the last commit
+    assert g.steps(16, 16) == math.ceil(MARGIN * 8)
+
+
+def test_rounds_that_never_committed_here_are_forgotten() -> None:
+    g = OverlapGauge()
+    g.ready(3, now=40.0, compute_s=2.0, steps=16)  # then a rejoin at round 5
     g.ready(5, now=50.0, compute_s=2.0, steps=16)
     g.committed(5, now=50.25)
     assert g.ready_at == {}
