@@ -238,9 +238,11 @@ class Report:
 
         Evaluated on the shared weights at the boundary (in rounds: the anchor), on the
         fixed batches ``daisyweb-eval`` uses; about a tenth of a second at the default model.
+        The run's last step is always evaluated: the curve ends where the run does.
         """
         every = self.opts.eval_every
-        if not every or done // every <= self.last_eval // every:
+        last = done >= state.run.steps and done > self.last_eval
+        if not every or (done // every <= self.last_eval // every and not last):
             return None
         if self._eval_batches is None:
             self._eval_batches = heldout_batches(state.run.model.seq)
