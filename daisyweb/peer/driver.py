@@ -116,7 +116,8 @@ class Driver:
         self.tasks: list[asyncio.Task[None]] = []
         self.pump: asyncio.Task[None] | None = None  # mesh events into the queue
         self.head: PendingHead | None = None  # at most one, and never beside a compute
-        self.overlap = OverlapGauge()  # how far ahead the next head start runs
+        self.overlap = OverlapGauge()  # how far ahead the group should run (leading)
+        self.ahead = (0, 0)  # (round, steps of the next round its roster says to run ahead)
         self.corpus: asyncio.Future[object]  # the built-in corpus being encoded (main)
         self.rows = 0  # sequences per inner step of our last contribution (set by _compute)
         self.result: tuple[int, str] | None = None
@@ -248,6 +249,7 @@ class Driver:
             capacity=self.opts.start and self.opts.capacity, batch=self.state.run.batch,
             archive=SpillArchive(), term=term, unit=unit(self.state.run),
             inner_steps=self.state.run.sync_every, exchange=self.opts.exchange)
+        self._name_ahead()
         return self.machine
 
     async def _start_leader(self) -> None:
@@ -428,15 +430,16 @@ class Driver:
             self._start_head(m, step + 1, dataclasses.replace(contribution, vector=_NO_VECTOR))
 
     def _start_head(self, m: sync.StepMachine, index: int, previous: Contribution) -> None:
-        """Start round ``index``'s first steps while this exchange is in flight: as many
-        as the last exchanges took, up to the run's ``overlap`` (``training.overlap``)."""
+        """Start round ``index``'s first steps while this exchange is in flight: as many as
+        the last round's roster says (``wire.Roster.ahead``), within the run's overlap."""
         assert self.state is not None
         if (not isinstance(self.trainer, RoundTrainer) or index >= m.total_steps
                 or self.head is not None):
             return
         trainer = self.trainer
-        steps = self.overlap.steps(self.state.run.overlap, trainer.steps_in(index))
-        if not steps:
+        named = self.ahead[1] if self.ahead[0] == index - 1 else 0
+        steps = min(named, self.state.run.overlap, trainer.steps_in(index))
+        if steps <= 0:
             return
         t0 = time.perf_counter()
 
@@ -451,6 +454,17 @@ class Driver:
         future.add_done_callback(finished)
         self.report.head_started(index)
         self.head = PendingHead(index, future, rows)
+
+    def _measure_overlap(self, step: int, now: float) -> None:
+        """Round ``step`` committed: what the group's next roster names as its head start
+        if we lead it (``training.overlap``: as far as the exchange needs)."""
+        self.overlap.committed(step, now)
+        self._name_ahead()
+
+    def _name_ahead(self) -> None:
+        run = self.state.run if self.state is not None else None
+        if self.machine is not None and run is not None and run.sync_every > 1:
+            self.machine.ahead = self.overlap.steps(run.overlap, run.sync_every)
 
     async def _take_head(self, step: int, rows: int) -> HeadStart | None:
         """The head start of round ``step`` if one was computed over ``rows`` sequences a
@@ -504,10 +518,11 @@ class Driver:
                 self._send(a.to, a.message)
             elif isinstance(a, sync.Compute):
                 self.report.computing(a.step)
+                self.ahead = (a.step, a.ahead)  # the next round's head start, as named
                 self.tasks.append(asyncio.create_task(self._compute(a.step, a.sequences)))
             elif isinstance(a, sync.Commit):
                 self.plan = None  # the boundary moved (or a rollback recommitted)
-                self.overlap.committed(a.step, time.monotonic())
+                self._measure_overlap(a.step, time.monotonic())
                 if a.clipped:
                     log(f"{self._unit()} {a.step}: held the contribution of "
                         f"{', '.join(a.clipped)} to {CLIP_FACTOR:g}x the median norm")

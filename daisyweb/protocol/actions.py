@@ -63,11 +63,14 @@ class Compute:
     """Compute this member's contribution to ``step``; answer with
     ``StepMachine.local_contribution``.
 
-    ``sequences`` is this member's share of the step's sequences (0: the run's batch).
+    ``sequences`` is this member's share of the step's sequences (0: the run's batch);
+    ``ahead``: the steps of the next round to take while this one's exchange is in
+    flight (the roster's ``ahead``).
     """
 
     step: int
     sequences: int = 0
+    ahead: int = 0
 
 
 @dataclass(frozen=True)

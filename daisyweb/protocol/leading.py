@@ -86,9 +86,9 @@ class Leader:
         owners = hand_over(st.owners, dead, members) if st.owners else ()
         out.append(Excluded(dead, why or f"{dead} left before its contribution of "
                                          f"{m.unit} {step} arrived"))
-        roster = wire.Roster(step, members, shares, m.term, owners)
+        roster = wire.Roster(step, members, shares, m.term, owners, st.ahead)
         out.append(Send(m.members.others(members), roster))
-        m.set_roster(out, step, members, now, shares, owners)
+        m.set_roster(out, step, members, now, shares, owners, st.ahead)
 
     def waits_for(self, st: InFlight, peer: str) -> bool:
         """The step in flight still needs something from ``peer`` that only it has: its
@@ -183,9 +183,9 @@ class Leader:
             owners = st.owners
             for gone in [p for p in st.roster if p not in members]:  # in roster order
                 owners = hand_over(owners, gone, members) if owners else ()
-            roster = wire.Roster(b, members, shares, m.term, owners)
+            roster = wire.Roster(b, members, shares, m.term, owners, st.ahead)
             out.append(Send(m.members.others(members), roster))
-            m.set_roster(out, b, members, now, shares, owners)
+            m.set_roster(out, b, members, now, shares, owners, st.ahead)
             self.lead(out, b, now)
             return
         have = m.valid_hashes(b)
@@ -231,8 +231,8 @@ class Leader:
             shares = capacity_shares(members, speeds, m.batch, previous)
         owners = m.owners_for(members)
         out.append(Send(m.members.others(members),
-                        wire.Roster(b, members, shares, m.term, owners)))
-        m.set_roster(out, b, members, now, shares, owners)
+                        wire.Roster(b, members, shares, m.term, owners, m.ahead)))
+        m.set_roster(out, b, members, now, shares, owners, m.ahead)
 
     def _judge(
         self,

@@ -39,6 +39,7 @@ class InFlight:
 
     roster: tuple[str, ...] | None = None
     shares: tuple[int, ...] = ()  # sequences per roster member (empty: equal batches)
+    ahead: int = 0  # the roster's head start of the next round (``wire.Roster.ahead``)
     payloads: dict[str, bytes] = field(default_factory=dict)  # sender -> bytes as received
     unchecked: set[str] = field(default_factory=set)  # arrived before the roster
     own_sent_at: float | None = None

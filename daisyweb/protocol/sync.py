@@ -174,6 +174,7 @@ class StepMachine:
         self.capacity = capacity
         self.batch = batch
         self.speed = 0.0  # the driver's measurement of our last contribution
+        self.ahead = 0  # leading: the head start the next roster names (the driver's)
         self.members = Membership(self_id, members)
         self._end: Phase | None = None  # FINISHED or HALTED: every later event is ignored
         # A leader keeps ``history`` steps of payloads for repair: the last HOT_STEPS in
@@ -620,7 +621,8 @@ class StepMachine:
         if msg.term == lead.term and peer == lead.leader:
             if not lead.leading:
                 lead.confirmed = True
-                self._on_roster(out, msg.step, msg.members, now, msg.shares, msg.owners)
+                self._on_roster(out, msg.step, msg.members, now, msg.shares, msg.owners,
+                                msg.ahead)
             return
         if msg.term == lead.term and lead.confirmed:
             other = self.self_id if lead.leading else lead.leader
@@ -634,7 +636,7 @@ class StepMachine:
         # candidate to it): follow it.
         self._follow(out, peer, msg.term, now)
         lead.confirmed = True
-        self._on_roster(out, msg.step, msg.members, now, msg.shares, msg.owners)
+        self._on_roster(out, msg.step, msg.members, now, msg.shares, msg.owners, msg.ahead)
 
     def _on_hello(self, out: list[Action], peer: str, msg: wire.Hello) -> None:
         if msg.peer_id != peer or msg.version == self.version:
@@ -655,7 +657,7 @@ class StepMachine:
 
     def _on_roster(
         self, out: list[Action], step: int, members: tuple[str, ...], now: float,
-        shares: tuple[int, ...] = (), owners: tuple[str, ...] = (),
+        shares: tuple[int, ...] = (), owners: tuple[str, ...] = (), ahead: int = 0,
     ) -> None:
         b = self.boundary
         self.members.learn(members)
@@ -679,11 +681,11 @@ class StepMachine:
         if self.self_id not in members:
             self._cut_off(out, f"the group went on without {self.self_id} at {self.unit} {b}")
             return
-        self.set_roster(out, step, members, now, shares, owners)
+        self.set_roster(out, step, members, now, shares, owners, ahead)
 
     def set_roster(
         self, out: list[Action], step: int, members: tuple[str, ...], now: float,
-        shares: tuple[int, ...] = (), owners: tuple[str, ...] = (),
+        shares: tuple[int, ...] = (), owners: tuple[str, ...] = (), ahead: int = 0,
     ) -> None:
         st = self.ledger.open(step)
         old = st.roster
@@ -707,6 +709,7 @@ class StepMachine:
         st.roster = members
         st.shares = shares
         st.owners = owners
+        st.ahead = ahead
         if st.named_at is None:
             st.named_at = now
         self._last_roster = members
@@ -727,7 +730,7 @@ class StepMachine:
         if self.self_id in members and self.self_id not in st.payloads and not st.computing:
             st.computing = True
             mine = shares[members.index(self.self_id)] if shares else 0
-            out.append(Compute(step, mine))
+            out.append(Compute(step, mine, ahead))
 
     def _on_contribution(self, out: list[Action], peer: str, msg: wire.Contribution,
                          now: float = 0.0) -> None:

@@ -60,7 +60,7 @@ __all__ = [
 # The messages below, as every peer of this version speaks them; a peer announcing another
 # version in its Hello is never listened to (protocol.leading). It goes up with any change
 # of a message's fields.
-PROTOCOL_VERSION = 9
+PROTOCOL_VERSION = 10
 
 # Limits. Generous for the project's models, small enough that a hostile peer
 # cannot make us allocate without bound.
@@ -408,11 +408,18 @@ class Roster(_Msg):
     # mean, in part order (as many parts as the step's first roster had members; an
     # amendment hands a lost owner's parts to its successor). Empty: all-to-all.
     owners: tuple[str, ...] = ()
+    # Rounds: how many steps of the next round every member takes while this round's
+    # exchange is in flight (``training.overlap``; at most the run's ``overlap``, which
+    # a member applies whatever this says). One number for the group: members that ran
+    # ahead by different lengths would send at different times, and the leader's view
+    # of their speeds (``capacity.bounded_speeds``) would favour the longer head start.
+    ahead: int = 0
 
     type: ClassVar[str] = "roster"
     _checks: ClassVar[dict[str, Checker]] = {"step": _step, "members": _members,
                                              "shares": _shares, "term": _int(0, MAX_STEP),
-                                             "owners": _owners}
+                                             "owners": _owners,
+                                             "ahead": _int(0, rules.MAX_SYNC_EVERY)}
 
     def _check_cross(self) -> None:
         if self.shares and len(self.shares) != len(self.members):

@@ -1,21 +1,20 @@
-"""How many steps of the next round a member runs ahead (``--overlap K``, a head start).
+"""How many steps of the next round the group runs ahead (``--overlap K``, a head start).
 
 A head start hides the exchange behind compute, but each step taken before the group's
 update is known trains on staler weights (``python -m bench.overlap`` measures what that
-costs in held-out loss). So a member runs ahead only as far as the group's exchange
-needs, at its own measured seconds per step and a quarter more, at least one step and at
-most the run's ``overlap`` (which may be the whole round: then round ``r``'s update is
-applied a round late). Before anything is measured it takes the run's default.
+costs in held-out loss). So the group runs ahead only as far as its exchange needs, at
+the leader's measured seconds per step and a quarter more, at least one step and at most
+the run's ``overlap`` (which may be the whole round: then round ``r``'s update is applied a
+round late). Before anything is measured it takes ``FIRST_HEAD`` steps. The leader names
+the number in each roster (``wire.Roster.ahead``), so every member runs ahead alike.
 
-What the exchange needs is the longer of two waits a member measures itself: its own
-(contribution ready to round committed: the others' bytes arriving) and the group's
-(the time between two commits less its own compute of the round). The second catches a
-member whose own wait is short because the others ran ahead of it while they waited for
-its bytes: without it, a member that led alone and a joiner settle with the joiner a
-whole round ahead and the leader's contribution still late by its whole transfer.
+What the exchange needs is the longer of two waits the leader measures itself: its own
+(contribution ready to round committed: the others' bytes arriving) and the group's (the
+time between two commits less its own compute of the round). The second catches a round
+in which the others' contributions came early and its own was the late one.
 
-The choice is this member's alone: what a member computes never changes the shared state,
-which comes from the exchanged bytes only.
+What a member computes never changes the shared state, which comes from the exchanged
+bytes only: the number is a matter of speed and loss, never of agreement.
 """
 
 from __future__ import annotations
@@ -24,10 +23,9 @@ import math
 from collections import deque
 from dataclasses import dataclass, field
 
-from daisyweb.rules import default_overlap
+__all__ = ["FIRST_HEAD", "MARGIN", "OverlapGauge", "head_steps"]
 
-__all__ = ["MARGIN", "OverlapGauge", "head_steps"]
-
+FIRST_HEAD = 2  # steps ahead before any exchange was measured
 MARGIN = 1.25  # run ahead a quarter longer than the exchange took (links vary)
 _KEPT = 2  # exchanges the estimate looks back on (the longer counts)
 
@@ -38,12 +36,12 @@ def head_steps(exchange_s: float | None, step_s: float | None, limit: int,
 
     ``exchange_s``: how long this member's last exchanges took (contribution ready to
     round committed); ``step_s``: its compute seconds per inner step; None: not measured
-    yet, then the run's default head start."""
+    yet, then ``FIRST_HEAD`` steps."""
     cap = min(limit, round_steps)
     if cap <= 0:
         return 0
     if exchange_s is None or step_s is None or step_s <= 0.0 or not math.isfinite(exchange_s):
-        return min(cap, default_overlap(round_steps))
+        return min(cap, FIRST_HEAD)
     return max(1, min(cap, math.ceil(MARGIN * max(exchange_s, 0.0) / step_s)))
 
 

@@ -1165,9 +1165,11 @@ async def test_a_head_start_over_another_share_is_dropped() -> None:
         assert driver.head is None
 
 
-async def test_a_head_start_runs_ahead_as_far_as_the_last_exchange_took() -> None:
-    """The run's overlap is the most a member runs ahead; it takes only what its measured
-    exchange needs (``training.overlap``): staler steps cost held-out loss."""
+async def test_a_head_start_runs_ahead_as_far_as_the_roster_says_within_the_runs_overlap(
+        ) -> None:
+    """Every member runs the next round's first steps ahead as far as the last roster
+    named (the leader's measurement, ``training.overlap``), at most the run's overlap and
+    the round; a roster of another round names none."""
     from types import SimpleNamespace
 
     from daisyweb.peer.driver import Driver
@@ -1179,17 +1181,24 @@ async def test_a_head_start_runs_ahead_as_far_as_the_last_exchange_took() -> Non
     trainer.steps_in = lambda index: 8  # type: ignore[method-assign]
     trainer.head_start = lambda index, batch, previous, steps: asked.append(steps)  # type: ignore[method-assign]
     driver = Driver.__new__(Driver)
-    driver.state = SimpleNamespace(run=SimpleNamespace(overlap=8))
-    driver.trainer, driver.head, driver.rows = trainer, None, 4
+    driver.state = SimpleNamespace(run=SimpleNamespace(overlap=6, sync_every=8))
+    driver.trainer, driver.rows = trainer, 4
     driver.feed = SimpleNamespace(run=SimpleNamespace(batch=4), batch=lambda i: None)
     driver.report = SimpleNamespace(head_started=lambda i: None,
                                     head_finished=lambda *a: None)
+    for named, want in (((4, 3), [3]), ((4, 7), [6]), ((3, 3), []), ((4, 0), [])):
+        asked.clear()
+        driver.head, driver.ahead = None, named
+        driver._start_head(SimpleNamespace(total_steps=10), 5, None)
+        if driver.head is not None:
+            await driver.head.future
+        assert asked == want, named
+    # Leading: what the next roster names follows the measured exchange.
     driver.overlap = OverlapGauge()
+    driver.machine = SimpleNamespace(ahead=0)
     driver.overlap.ready(3, now=1.0, compute_s=1.0, steps=8)  # 0.125 s a step
-    driver.overlap.committed(3, now=1.25)  # a 0.25 s exchange: 2 steps, and a quarter
-    driver._start_head(SimpleNamespace(total_steps=10), 5, None)
-    await driver.head.future
-    assert asked == [3]
+    driver._measure_overlap(3, now=1.25)  # a 0.25 s exchange: 2 steps, and a quarter
+    assert driver.machine.ahead == 3
 
 
 # --------------------------------------------------------------------------- TURN

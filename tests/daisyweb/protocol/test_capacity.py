@@ -224,6 +224,24 @@ def test_computes_name_each_members_share() -> None:
     assert compute.sequences == 2
 
 
+def test_the_leaders_head_start_reaches_every_members_compute() -> None:
+    """``wire.Roster.ahead``: one head start for the group, the leader's measurement."""
+    reps = {p: Replica() for p in "ab"}
+    a = StepMachine("a", reps["a"], 2, lambda: "aa" * 16, leader="a", members=["a", "b"])
+    a.ahead = 5
+    a.start(0.0)
+    b_hashes = wire.StepHashes(0, "b", reps["b"].weight_hash(), "aa" * 16, "00", 0.0)
+    actions = a.message("b", b_hashes, 0.0)
+    (roster,) = [x.message for x in actions if isinstance(x, Send)
+                 and isinstance(x.message, wire.Roster)]
+    assert roster.ahead == 5
+    assert [x.ahead for x in actions if isinstance(x, Compute)] == [5]
+    b = StepMachine("b", reps["b"], 2, lambda: "aa" * 16, leader="a")
+    b.start(0.0)
+    out = b.message("a", wire.decode(wire.encode(roster)), 0.0)
+    assert [x.ahead for x in out if isinstance(x, Compute)] == [5]
+
+
 def _follower_that_committed_step_0() -> tuple[StepMachine, Replica, list]:
     """b committed step 0 of roster (a, b, c) with shares (2, 4, 6)."""
     from daisyweb.protocol.codec import F32

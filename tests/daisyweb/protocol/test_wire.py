@@ -116,7 +116,7 @@ def test_a_roster_refuses_owners_that_are_not_members(owners: object) -> None:
         Roster(1, ["a", "b"], [], 0, owners)  # type: ignore[arg-type]
     with pytest.raises(WireError, match="owners|msgpack"):  # (msgpack: too long to read)
         decode(_pack({"type": "roster", "step": 1, "members": ["a", "b"], "shares": [],
-                      "term": 0, "owners": owners}))
+                      "term": 0, "owners": owners, "ahead": 0}))
 
 
 @pytest.mark.parametrize("part", [-1, 1024, 1.0, True])
@@ -344,7 +344,16 @@ def test_step_hashes_carry_a_valid_roster_hash() -> None:
 def test_roster_shares_are_checked(shares: object, why: str) -> None:
     with pytest.raises(WireError, match=why):
         decode(_pack({"type": "roster", "step": 1, "members": ["a", "b"],
-                           "shares": shares, "term": 0, "owners": []}))
+                           "shares": shares, "term": 0, "owners": [], "ahead": 0}))
+
+
+@pytest.mark.parametrize("ahead", [-1, (1 << 20) + 1, 2.0, True, None])
+def test_a_rosters_head_start_is_a_round_length_at_most(ahead: object) -> None:
+    good = {"type": "roster", "step": 1, "members": ["a", "b"], "shares": [], "term": 0,
+            "owners": [], "ahead": 16}
+    assert decode(_pack(good)).ahead == 16
+    with pytest.raises(WireError, match="ahead"):
+        decode(_pack({**good, "ahead": ahead}))
 
 
 @pytest.mark.parametrize("digests", ["ab", ["AB"], ["xyz1"], [1], ["ab"] * 1025])
@@ -360,7 +369,8 @@ def test_step_hashes_digests_are_checked(digests: object) -> None:
 @pytest.mark.parametrize("kind", ["roster", "following"])
 @pytest.mark.parametrize("term", [-1, 1 << 63, 1.0, "1", True, None])
 def test_terms_are_checked(kind: str, term: object) -> None:
-    fields = ({"step": 1, "members": ["a"], "shares": [], "owners": []} if kind == "roster"
+    fields = ({"step": 1, "members": ["a"], "shares": [], "owners": [], "ahead": 0}
+              if kind == "roster"
               else {"leader": "a"})
     assert decode(_pack({"type": kind, **fields, "term": 7})).term == 7  # type: ignore[union-attr]
     with pytest.raises(WireError, match="term"):

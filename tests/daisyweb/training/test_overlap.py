@@ -4,12 +4,11 @@ import math
 
 import pytest
 
-from daisyweb.rules import default_overlap
-from daisyweb.training.overlap import MARGIN, OverlapGauge, head_steps
+from daisyweb.training.overlap import FIRST_HEAD, MARGIN, OverlapGauge, head_steps
 
 
-def test_before_any_measurement_the_runs_default_head_start() -> None:
-    assert head_steps(None, None, 16, 16) == default_overlap(16) == 2
+def test_before_any_measurement_the_first_head_start() -> None:
+    assert head_steps(None, None, 16, 16) == FIRST_HEAD == 2
     assert head_steps(0.5, None, 16, 16) == 2
     assert head_steps(None, 0.1, 16, 16) == 2
     assert head_steps(math.inf, 0.1, 16, 16) == 2
