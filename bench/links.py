@@ -43,8 +43,8 @@ from bench._results import machine, write_section
 from daisyweb.rules import DEFAULTS
 
 MODES = {
-    "default": [],
-    "int2+whole": ["--codec", "int2", "--overlap", str(DEFAULTS["sync_every"])],
+    "int4, 2 ahead (the last default)": ["--codec", "int4", "--overlap", "2"],
+    "default": [],  # int2, as far ahead as the link needs, up to the whole round
 }
 STEPS = 300
 EVAL_EVERY = 48  # every third round: an evaluation holds the event loop ~0.2 s
@@ -263,7 +263,7 @@ def main(argv: Sequence[str] | None = None) -> None:
     ap.add_argument("--rates", default="1,2.5,10", help="MB/s per peer upload")
     ap.add_argument("--sizes", default="4", help="groups started together (besides the "
                     "two-peer group with a joiner)")
-    ap.add_argument("--modes", default=",".join(MODES))
+    ap.add_argument("--modes", default="|".join(MODES), help="|-separated")
     ap.add_argument("--out", type=Path, default=Path("/tmp/bench-links"))
     ap.add_argument("--transport", choices=("aiortc", "libwebrtc"), default="aiortc")
     ap.add_argument("--no-write", action="store_true")
@@ -273,7 +273,7 @@ def main(argv: Sequence[str] | None = None) -> None:
         raise SystemExit(f"bench.links {why}")
     rates = [float(x) for x in a.rates.split(",") if x]
     sizes = [int(x) for x in a.sizes.split(",") if x]
-    modes = [m for m in a.modes.split(",") if m]
+    modes = [m for m in a.modes.split("|") if m]
     a.out.mkdir(parents=True, exist_ok=True)
     t0 = time.time()
     one = one_peer(a.out)
@@ -283,24 +283,28 @@ def main(argv: Sequence[str] | None = None) -> None:
     for rate in rates:
         for mode in modes:  # interleaved: a slow moment of the machine hits both alike
             for n, join in [(2, True), *((s, False) for s in sizes)]:
-                out = a.out / f"{mode}-{rate:g}-{n}"
+                out = a.out / f"{list(MODES).index(mode)}-{rate:g}-{n}"
                 r = shaped(n, mode, rate, out, one[1], join, a.transport)
                 rows.append(r)
                 print(table([r], one)[-1], flush=True)
     lines = table(rows, one)
-    modes_text = "; ".join(f"{m}: `{' '.join(MODES[m]) or '(no flags)'}`" for m in modes)
+    modes_text = "; ".join(
+        f"{m}: `{' '.join(MODES[m])}`" if MODES[m] else
+        f"{m}: no flags (`--codec {DEFAULTS['codec']} --overlap {DEFAULTS['overlap']}`)"
+        for m in modes)
     section = [
         "## A group on slow uplinks against one machine (bench.links)",
         "",
-        f"`python -m bench.links --rates {a.rates} --sizes {a.sizes}` -- {machine()}; "
-        f"{time.time() - t0:.0f} s. The default model and run ({STEPS} steps, rounds of "
-        f"{DEFAULTS['sync_every']}), aiortc, each peer in its own network namespace with "
+        f"`python -m bench.links --rates {a.rates} --sizes {a.sizes} --transport "
+        f"{a.transport}` -- {machine()}; {time.time() - t0:.0f} s. The default model and "
+        f"run ({STEPS} steps, rounds of {DEFAULTS['sync_every']}), {a.transport}, each peer "
+        "in its own network namespace with "
         "its upload shaped by `tc tbf` (burst 64 kB), pinned to core i mod 2 (four peers: "
         "two to a core, each at about half a core), held-out evaluated every third round "
         f"(its time included). Modes: {modes_text}. Two-peer rows: the second peer joins "
         "after the leader's second round (join: admitted to state taken / to its first "
-        "committed round). Tokens/s: a round's tokens over the median round with every member (not "
-        "the first two nor the last); "
+        "committed round). Tokens/s: a round's tokens over the median round with every "
+        "member (not the first two nor the last); "
         "bytes: a member's frames sent on all links over the same rounds per token the "
         "group trained.",
         "",

@@ -50,13 +50,14 @@ DEFAULTS: MappingProxyType[str, int | float | str] = MappingProxyType({
     # lr 5e-3: one peer's 300-step held-out loss is the same as at 3e-3 (5.516 vs 5.511),
     # and a group in rounds reaches it sooner (docs/limits.md, section 2).
     "batch": 8, "steps": 300, "lr": 5e-3, "seed": 0, "data": "builtin",
-    # Rounds of 16 local steps exchanging int4 deltas, each round's first 2 steps taken
-    # while the last round's exchange is in flight (training.rounds.HeadStart): of the
-    # modes measured, the one that reaches a given held-out loss soonest on real links
-    # (docs/limits.md section 2, python -m bench.scaling and bench.rounds_sim). int4
-    # trains as well as int8 (error feedback) and halves the bytes a link carries.
-    "sync_every": 16, "codec": "int4", "outer_lr": 1.0,
-    "overlap": 2,
+    # Rounds of 16 local steps (docs/limits.md section 2, python -m bench.scaling and
+    # bench.rounds_sim) exchanging int2 deltas: with error feedback they train as well as
+    # int4 at half its bytes (TEST_RESULTS.md, "codecs"). The group runs the next round's
+    # first steps while a round's exchange is in flight, as many as the link needs and at
+    # most the whole round (training.overlap): on a 1 MB/s uplink that makes two peers
+    # 1.6x one machine where a fixed 2-step head start made them 1.1x (bench.links).
+    "sync_every": 16, "codec": "int2", "outer_lr": 1.0,
+    "overlap": 16,
 })
 # The exchange of a checkpoint that names none: it was trained in lockstep, float32.
 LOCKSTEP = MappingProxyType({"sync_every": 1, "codec": "f32", "outer_lr": 1.0, "overlap": 0})
@@ -176,8 +177,9 @@ def check_rounds(sync_every: Any, codec: Any, outer_lr: Any, overlap: Any = 0) -
 
 
 def default_overlap(sync_every: int) -> int:
-    """The overlap a run gets when it names none: the default, within its rounds."""
-    return min(int(DEFAULTS["overlap"]), max(sync_every - 1, 0))
+    """The overlap a run gets when it names none: its whole round (the group runs ahead
+    only as far as its link needs, ``training.overlap``); none in lockstep."""
+    return sync_every if sync_every > 1 else 0
 
 
 _LOWER_HEX = re.compile(r"[0-9a-f]+")

@@ -8,10 +8,11 @@ the run's ``overlap`` (which may be the whole round: then round ``r``'s update i
 round late). Before anything is measured it takes ``FIRST_HEAD`` steps. The leader names
 the number in each roster (``wire.Roster.ahead``), so every member runs ahead alike.
 
-What the exchange needs is the longer of two waits the leader measures itself: its own
-(contribution ready to round committed: the others' bytes arriving) and the group's (the
-time between two commits less its own compute of the round). The second catches a round
-in which the others' contributions came early and its own was the late one.
+What the exchange needs is the leader's own wait, from its contribution ready to the round
+committed: with every member running ahead alike, the others' contributions are ready when
+its own is, and the wait is the time their bytes take (and the commit's own work). The
+time between two commits less the round's compute would also count the CPU a peer spends
+on the exchange and on evaluations, which a head start on the same core cannot hide.
 
 What a member computes never changes the shared state, which comes from the exchanged
 bytes only: the number is a matter of speed and loss, never of agreement.
@@ -49,30 +50,23 @@ def head_steps(exchange_s: float | None, step_s: float | None, limit: int,
 class OverlapGauge:
     """What :func:`head_steps` needs, measured by a peer as its rounds go."""
 
-    # round -> (contribution ready, its compute seconds)
-    ready_at: dict[int, tuple[float, float]] = field(default_factory=dict)
+    ready_at: dict[int, float] = field(default_factory=dict)  # round -> contribution ready
     exchanges: deque[float] = field(default_factory=lambda: deque(maxlen=_KEPT))
     step_s: float | None = None
-    last_commit: float | None = None
 
     def ready(self, index: int, now: float, compute_s: float, steps: int) -> None:
         """Round ``index``'s contribution took ``compute_s`` over ``steps`` inner steps."""
-        self.ready_at[index] = (now, compute_s)
+        self.ready_at[index] = now
         if compute_s > 0.0 and steps > 0:
             self.step_s = compute_s / steps
 
     def committed(self, index: int, now: float) -> None:
-        """Round ``index`` committed: the longer of this member's wait (ready to now) and
-        the group's (since the last commit, less this member's compute of the round)."""
-        mine = self.ready_at.pop(index, None)
+        """Round ``index`` committed: its exchange took from ready to now."""
+        ready = self.ready_at.pop(index, None)
         for old in [k for k in self.ready_at if k < index]:
             del self.ready_at[old]
-        last, self.last_commit = self.last_commit, now
-        if mine is None:
-            return
-        ready, compute_s = mine
-        idle = now - last - compute_s if last is not None else 0.0
-        self.exchanges.append(max(now - ready, idle))
+        if ready is not None:
+            self.exchanges.append(now - ready)
 
     def steps(self, limit: int, round_steps: int) -> int:
         exchange = max(self.exchanges) if self.exchanges else None

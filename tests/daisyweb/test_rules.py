@@ -87,5 +87,6 @@ def test_overlap_is_at_most_the_round_and_none_in_lockstep() -> None:
 
 def test_default_overlap_fits_every_round_length() -> None:
     assert rules.default_overlap(1) == 0
-    assert rules.default_overlap(2) == 1
-    assert rules.default_overlap(32) == rules.DEFAULTS["overlap"]
+    assert rules.default_overlap(2) == 2
+    assert rules.default_overlap(32) == 32
+    assert rules.default_overlap(int(rules.DEFAULTS["sync_every"])) == rules.DEFAULTS["overlap"]

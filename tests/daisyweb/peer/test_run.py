@@ -847,7 +847,7 @@ def test_rounds_three_peers_identical_at_every_boundary_equal_to_replay(group: G
                                                                         codec: str) -> None:
     # Equal shares: a share moved by a noisy speed would drop a head start this counts.
     lead = group.leader(*ROUNDS[:-1], codec, "--steps", "7", "--wait-peers", "3",
-                        "--capacity", "off")
+                        "--capacity", "off", "--overlap", "1")
     a = group.spawn("a")
     # one peer on numpy's baseline instructions, as on an old CPU
     b = group.spawn("b", env={"NPY_DISABLE_CPU_FEATURES":
@@ -858,8 +858,8 @@ def test_rounds_three_peers_identical_at_every_boundary_equal_to_replay(group: G
         assert [(r["round"], r["step"]) for r in p.steps()] == [(1, 2), (2, 4), (3, 6), (4, 7)]
         assert all(r["mode"] == f"rounds H=2 {codec}" for r in p.steps())
         assert p.end()["end"] == "done"
-        # --overlap defaults to 1 step here: every round after the first (the last one,
-        # of one step, whole) began while the previous exchange was in flight.
+        # --overlap 1: every round after the first (the last one, of one step, whole)
+        # began while the previous exchange was in flight.
         assert [r["head_steps"] for r in p.steps()] == [0, 1, 1, 1]
         assert all(r["comm_s"] <= r["exchange_s"] for r in p.steps())
     assert all(r["owners"] for r in lead.steps())  # three members: the owner exchange

@@ -46,17 +46,6 @@ def test_the_gauge_measures_each_rounds_exchange_and_looks_at_the_longer_of_two(
     assert g.steps(16, 16) == 2
 
 
-def test_a_short_own_wait_in_a_long_round_counts_the_groups_wait() -> None:
-    """Its own contribution came last (the others ran ahead while its bytes crossed): the
-    round took 3 s for 2 s of its compute, so the group waited 1 s, on it."""
-    g = OverlapGauge()
-    g.ready(0, now=1.0, compute_s=2.0, steps=16)
-    g.committed(0, now=1.125)
-    g.ready(1, now=4.0, compute_s=2.0, steps=16)
-    g.committed(1, now=4.125)  # 0.125 s of its own wait, 3 s since the last commit
-    assert g.steps(16, 16) == math.ceil(MARGIN * 8)
-
-
 def test_rounds_that_never_committed_here_are_forgotten() -> None:
     g = OverlapGauge()
     g.ready(3, now=40.0, compute_s=2.0, steps=16)  # then a rejoin at round 5
