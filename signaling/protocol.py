@@ -41,6 +41,8 @@ MAX_TOKENS_PER_S = 1e12
 # The pool fields of a status report (the dashboard's pool view): the machine, its share,
 # its links.
 MAX_CPU_CHARS = 64  # "Intel(R) Xeon(R) CPU E5-2690 v4 @ 2.60GHz" is 41
+MACHINE_ID_CHARS = 16  # a keyed hash of the machine-id (daisyweb.peer.hardware)
+_MACHINE_ID = re.compile(f"[0-9a-f]{{{MACHINE_ID_CHARS}}}")
 MAX_BACKEND_CHARS = 16  # a kernel backend name: blas, blas64, mirror, lut
 MAX_CORES = 1 << 16
 MAX_RAM_MB = 1 << 30  # MiB: an exbibyte
@@ -180,6 +182,12 @@ def _pool_extras(msg: dict) -> dict[str, Any]:
     backend, its share of the batch and its own speed, the run's ETA and step budget, and
     its links' round-trip times by peer id (``null``: connected, not yet measured)."""
     out: dict[str, Any] = {}
+    if "machine" in msg:  # peers on one machine say the same: the pool counts it once
+        machine = _field(msg, "machine", (str,), f"{MACHINE_ID_CHARS} lowercase hex digits")
+        if not _MACHINE_ID.fullmatch(machine):
+            raise ProtocolError("bad_field", f"field 'machine' must be {MACHINE_ID_CHARS} "
+                                             "lowercase hex digits")
+        out["machine"] = machine
     if "cpu" in msg:
         out["cpu"] = _text(msg, "cpu", MAX_CPU_CHARS)
     if "cores" in msg:

@@ -77,8 +77,8 @@ MAX_PER_ADDRESS = 32
 STICKY_FIELDS = ("mode", "round", "comm_share", "heldout_loss", "heldout_step", "transport")
 # The pool fields a final report may leave out: kept like the above. Links are
 # not: a report without them means no link is up.
-POOL_STICKY_FIELDS = ("cpu", "cores", "ram_mb", "backend", "share", "peer_tokens_per_s",
-                      "eta_s", "total_steps")
+POOL_STICKY_FIELDS = ("machine", "cpu", "cores", "ram_mb", "backend", "share",
+                      "peer_tokens_per_s", "eta_s", "total_steps")
 # The held-out loss curve: the last HELDOUT_POINTS (step, held-out loss) per peer.
 HELDOUT_POINTS = 500
 _order = itertools.count()

@@ -22,19 +22,29 @@ function mib(mb) {
   return mb >= 1024 ? (mb / 1024).toFixed(1) + " GiB" : mb + " MiB";
 }
 
-// Pooled cores and RAM of the members that said what their machine is.
+// Pooled cores and RAM of the members that said what their machine is, each machine
+// once: members naming the same machine (peers sharing one computer) count as one, with
+// the most cores and RAM any of them reports (a peer pinned to one core reports one).
 function poolTotals(info) {
-  let cores = 0;
-  let ram = 0;
-  let machines = 0;
+  const byMachine = new Map();
+  let reporting = 0;
   for (const m of info.members) {
     const r = info.reports[m.id];
     if (!r || !isNum(r.cores)) continue;
-    machines += 1;
-    cores += r.cores;
-    if (isNum(r.ram_mb)) ram += r.ram_mb;
+    reporting += 1;
+    const key = typeof r.machine === "string" ? "m:" + r.machine : "p:" + m.id;
+    const seen = byMachine.get(key) || { cores: 0, ram: 0 };
+    seen.cores = Math.max(seen.cores, r.cores);
+    if (isNum(r.ram_mb)) seen.ram = Math.max(seen.ram, r.ram_mb);
+    byMachine.set(key, seen);
   }
-  return { cores, ram, machines, silent: info.members.length - machines };
+  let cores = 0;
+  let ram = 0;
+  for (const t of byMachine.values()) {
+    cores += t.cores;
+    ram += t.ram;
+  }
+  return { cores, ram, machines: byMachine.size, silent: info.members.length - reporting };
 }
 
 // The run's ETA: what the most advanced training member expects (all see the same steps).

@@ -55,7 +55,8 @@ async def test_pool_view_in_chromium(chromium) -> None:
         carol, c = await join("carol")
         await alice.send_json({"type": "approve", "id": c})
         await recv(carol, "approved")
-        machine_a = {"cpu": "Intel(R) Core(TM)2 Duo CPU E8400 @ 3.00GHz", "cores": 2,
+        machine_a = {"machine": "0123456789abcdef",
+                     "cpu": "Intel(R) Core(TM)2 Duo CPU E8400 @ 3.00GHz", "cores": 2,
                      "ram_mb": 4096, "backend": "blas64", "share": 0.625,
                      "peer_tokens_per_s": 812.4, "total_steps": 300, "transport": "aiortc"}
         # bob's CPU string is printable (the server takes it) but looks like markup
@@ -97,6 +98,14 @@ async def test_pool_view_in_chromium(chromium) -> None:
                 assert await page.locator("#machines b").count() == 0  # text, not markup
                 row_c = await page.locator(f'#machines tr[data-peer="{c}"] td').all_text_contents()
                 assert row_c == ["carol", "–", "–", "–", "–", "–", "–", "–", "20%"]
+                # carol now reports: she runs on alice's machine, which counts once
+                await carol.send_json(status(10, machine=machine_a["machine"], cores=1,
+                                             ram_mb=4096))
+                await page.wait_for_function(
+                    "() => !document.getElementById('pool-cores').textContent"
+                    ".includes('not reporting')", timeout=10000)
+                assert await page.text_content("#pool-cores") == "6 on 2 machines"
+                assert await page.text_content("#pool-ram") == "12.0 GiB"
 
                 async def cell(frm: str, to: str) -> tuple[str, str]:
                     td = page.locator(f'#link-matrix tr[data-peer="{frm}"] td[data-to="{to}"]')

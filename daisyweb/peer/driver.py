@@ -116,7 +116,7 @@ class Driver:
         self.tasks: list[asyncio.Task[None]] = []
         self.pump: asyncio.Task[None] | None = None  # mesh events into the queue
         self.head: PendingHead | None = None  # at most one, and never beside a compute
-        self.overlap = OverlapGauge()  # how far ahead the group should run (leading)
+        self.overlap = OverlapGauge()  # how far ahead our exchange needs the group to run
         self.ahead = (0, 0)  # (round, steps of the next round its roster says to run ahead)
         self.corpus: asyncio.Future[object]  # the built-in corpus being encoded (main)
         self.rows = 0  # sequences per inner step of our last contribution (set by _compute)
@@ -456,8 +456,9 @@ class Driver:
         self.head = PendingHead(index, future, rows)
 
     def _measure_overlap(self, step: int, now: float) -> None:
-        """Round ``step`` committed: what the group's next roster names as its head start
-        if we lead it (``training.overlap``: as far as the exchange needs)."""
+        """Round ``step`` committed: how far ahead this member's exchange needs the group
+        to run (``training.overlap``), published with its next hashes; the leader's roster
+        names the most any member needs."""
         self.overlap.committed(step, now)
         self._name_ahead()
 

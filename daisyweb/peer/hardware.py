@@ -1,18 +1,26 @@
-"""The hardware this peer runs on, for the dashboard's pool view: CPU model, cores, RAM.
+"""The hardware this peer runs on, for the dashboard's pool view: CPU model, cores, RAM,
+and which machine it is.
 
 Read once at start from the operating system (``/proc/cpuinfo`` on Linux, ``platform``
-elsewhere); anything that cannot be read is left out rather than guessed.
+elsewhere); anything that cannot be read is left out rather than guessed. The machine is
+named by a keyed hash of its ``machine-id`` (never the id itself, which would name the
+machine to other programs too): peers on one machine share it, and the pool counts the
+machine once.
 """
 
 from __future__ import annotations
 
+import hashlib
 import os
 import platform
 from pathlib import Path
 
 from signaling.protocol import MAX_CPU_CHARS, MAX_RAM_MB, clean_text
 
-__all__ = ["hardware_info"]
+__all__ = ["MACHINE_ID_FILES", "hardware_info"]
+
+MACHINE_ID_FILES = (Path("/etc/machine-id"), Path("/var/lib/dbus/machine-id"))
+_MACHINE_KEY = b"daisyweb pool machine"
 
 
 def _cpu_model(cpuinfo: Path = Path("/proc/cpuinfo")) -> str:
@@ -44,10 +52,26 @@ def _ram_mb() -> int | None:
     return min(pages * size // (1 << 20), MAX_RAM_MB) or None
 
 
-def hardware_info(cpuinfo: Path = Path("/proc/cpuinfo")) -> dict[str, str | int]:
-    """``cpu``, ``cores`` and ``ram_mb`` (MiB) as far as they can be read, each within
-    what the signaling server accepts in a status report."""
+def _machine(files: tuple[Path, ...]) -> str | None:
+    """16 hex digits naming this machine, from the first readable machine-id."""
+    for f in files:
+        try:
+            ident = f.read_bytes().strip()
+        except OSError:
+            continue
+        if ident:
+            return hashlib.blake2b(ident, key=_MACHINE_KEY, digest_size=8).hexdigest()
+    return None
+
+
+def hardware_info(cpuinfo: Path = Path("/proc/cpuinfo"),
+                  machine_ids: tuple[Path, ...] = MACHINE_ID_FILES) -> dict[str, str | int]:
+    """``cpu``, ``cores``, ``ram_mb`` (MiB) and ``machine`` as far as they can be read, each
+    within what the signaling server accepts in a status report."""
     out: dict[str, str | int] = {}
+    machine = _machine(machine_ids)
+    if machine:
+        out["machine"] = machine
     cpu = clean_text(_cpu_model(cpuinfo), MAX_CPU_CHARS)
     if cpu:
         out["cpu"] = cpu

@@ -143,6 +143,8 @@ class Report:
         note = f"{mode(run)}{' owners' if c.owners else ''}  comm {comm_share:.0%}"
         if run.sync_every > 1:
             note = f"round {c.step + 1}/{total}  " + note
+        if head_steps:  # this round's first steps, taken while the last one's bytes crossed
+            note += f"  ahead {head_steps}/{inner}"
         if c.rollback:
             note += "  (committed again: the roster was amended)"
         heldout = self._maybe_evaluate(state, done)

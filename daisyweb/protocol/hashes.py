@@ -13,6 +13,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
+from daisyweb import rules
 from daisyweb.protocol import wire
 
 __all__ = ["HashBook", "HashCheck"]
@@ -29,13 +30,16 @@ class HashBook:
         self.speeds: dict[int, dict[str, float]] = {}
         # boundary -> peer -> digests of the contributions it averaged, in roster order
         self.digests: dict[int, dict[str, tuple[str, ...]]] = {}
+        # boundary -> peer -> steps ahead its last exchange needed (``StepHashes.ahead``)
+        self.ahead: dict[int, dict[str, int]] = {}
 
     def record(self, b: int, peer: str, weight: str, probe: str, roster_hash: str,
-               speed: float = 0.0, digests: tuple[str, ...] = ()) -> None:
+               speed: float = 0.0, digests: tuple[str, ...] = (), ahead: int = 0) -> None:
         self.seen.setdefault(b, {})[peer] = (weight, probe, roster_hash)
         self.digests.setdefault(b, {})[peer] = digests
         if speed > 0.0:
             self.speeds.setdefault(b, {})[peer] = speed
+        self.ahead.setdefault(b, {})[peer] = ahead
 
     def publish_own(self, b: int, self_id: str, hashes: Hashes, roster_hash: str) -> None:
         """Our hashes at boundary ``b``; older boundaries than ``b - 1`` are forgotten."""
@@ -47,6 +51,8 @@ class HashBook:
             del self.seen[old]
         for old in [k for k in self.speeds if k < b - 1]:
             del self.speeds[old]
+        for old in [k for k in self.ahead if k < b - 1]:
+            del self.ahead[old]
         for old in [k for k in self.digests if k < b - 1]:
             del self.digests[old]
 
@@ -95,22 +101,24 @@ class HashCheck:
         self.averaged = {b: digests}
 
     def publish(self, b: int, hashes: Hashes, roster_hash: str,
-                speed: float) -> wire.StepHashes:
+                speed: float, ahead: int = 0) -> wire.StepHashes:
         """Our hashes at boundary ``b``, recorded; the message that tells everyone."""
         self.book.publish_own(b, self.self_id, hashes, roster_hash)
         speed = min(max(speed, 0.0), wire.MAX_SPEED)
         if speed > 0.0:
             self.book.speeds.setdefault(b, {})[self.self_id] = speed
+        ahead = min(max(ahead, 0), rules.MAX_SYNC_EVERY)
+        self.book.ahead.setdefault(b, {})[self.self_id] = ahead
         digests = self.averaged.get(b, ())
         self.book.digests.setdefault(b, {})[self.self_id] = digests
-        return wire.StepHashes(b, self.self_id, *hashes, roster_hash, speed, digests)
+        return wire.StepHashes(b, self.self_id, *hashes, roster_hash, speed, digests, ahead)
 
     def own(self, b: int) -> Hashes:
         return self.book.own[b]
 
     def record(self, msg: wire.StepHashes) -> None:
         self.book.record(msg.step, msg.sender, msg.weight_hash, msg.probe_hash,
-                         msg.roster_hash, msg.speed, msg.digests)
+                         msg.roster_hash, msg.speed, msg.digests, msg.ahead)
 
     def fork(self, b: int, peer: str, roster: tuple[str, ...],
              theirs: Hashes | None, owners: tuple[str, ...] = ()) -> str | None:

@@ -230,9 +230,11 @@ class Leader:
             speeds = bounded_speeds(m.hash_check.book.speeds.get(b, {}), self.observed)
             shares = capacity_shares(members, speeds, m.batch, previous)
         owners = m.owners_for(members)
+        needs = m.hash_check.book.ahead.get(b, {})
+        ahead = max([m.ahead, *(needs.get(p, 0) for p in members)])
         out.append(Send(m.members.others(members),
-                        wire.Roster(b, members, shares, m.term, owners, m.ahead)))
-        m.set_roster(out, b, members, now, shares, owners, m.ahead)
+                        wire.Roster(b, members, shares, m.term, owners, ahead)))
+        m.set_roster(out, b, members, now, shares, owners, ahead)
 
     def _judge(
         self,

@@ -174,7 +174,10 @@ class StepMachine:
         self.capacity = capacity
         self.batch = batch
         self.speed = 0.0  # the driver's measurement of our last contribution
-        self.ahead = 0  # leading: the head start the next roster names (the driver's)
+        # Steps of the next round this member's last exchange needed to run ahead (the
+        # driver's measurement, published with our hashes); leading, the next roster
+        # names the most any member of it needs (``Roster.ahead``).
+        self.ahead = 0
         self.members = Membership(self_id, members)
         self._end: Phase | None = None  # FINISHED or HALTED: every later event is ignored
         # A leader keeps ``history`` steps of payloads for repair: the last HOT_STEPS in
@@ -438,7 +441,7 @@ class StepMachine:
         b = self.boundary
         hashes = (self.replica.weight_hash(), self.probe())
         out.append(Send(None, self.hash_check.publish(b, hashes, self.ledger.digest_before(b),
-                                                      self.speed)))
+                                                      self.speed, self.ahead)))
         for peer in self.hash_check.book.peers_at(b):
             self._check_fork(out, b, peer)
 

@@ -474,6 +474,10 @@ class StepHashes(_Msg):
     # this boundary, in roster order (empty at a start or snapshot boundary): when two
     # members' weights differ, the member whose digests differ sent them different bytes.
     digests: tuple[str, ...] = ()
+    # Rounds: the steps of a round the sender's last exchange took at its own speed
+    # (``training.overlap``): the leader's next roster runs ahead as far as the slowest
+    # member's exchange needs (``Roster.ahead``, within the run's overlap).
+    ahead: int = 0
 
     type: ClassVar[str] = "step_hashes"
     _checks: ClassVar[dict[str, Checker]] = {
@@ -484,6 +488,7 @@ class StepHashes(_Msg):
         "roster_hash": _hex,
         "speed": _float(0.0, MAX_SPEED),
         "digests": _digests,
+        "ahead": _int(0, rules.MAX_SYNC_EVERY),
     }
 
 

@@ -2,17 +2,21 @@
 
 A head start hides the exchange behind compute, but each step taken before the group's
 update is known trains on staler weights (``python -m bench.overlap`` measures what that
-costs in held-out loss). So the group runs ahead only as far as its exchange needs, at
-the leader's measured seconds per step and a quarter more, at least one step and at most
-the run's ``overlap`` (which may be the whole round: then round ``r``'s update is applied a
-round late). Before anything is measured it takes ``FIRST_HEAD`` steps. The leader names
-the number in each roster (``wire.Roster.ahead``), so every member runs ahead alike.
+costs in held-out loss). So the group runs ahead only as far as its exchange needs: each
+member measures its wait from its contribution ready to the round committed (the others'
+bytes arriving, and the commit's own work), takes as many steps as that wait at its own
+seconds per step and a quarter more, at least one and at most the run's ``overlap``
+(which may be the whole round: then round ``r``'s update is applied a round late), and
+publishes the number with its hashes (``wire.StepHashes.ahead``). The leader's roster
+names the most any member needs (``wire.Roster.ahead``), so every member runs ahead
+alike. Before anything is measured it is ``FIRST_HEAD`` steps.
 
-What the exchange needs is the leader's own wait, from its contribution ready to the round
-committed: with every member running ahead alike, the others' contributions are ready when
-its own is, and the wait is the time their bytes take (and the commit's own work). The
-time between two commits less the round's compute would also count the CPU a peer spends
-on the exchange and on evaluations, which a head start on the same core cannot hide.
+Every member's wait counts because it is the waiting members that a longer head start
+helps: a member whose contribution is the last to be ready (a slower one, or the leader
+with its own duties) waits hardly at all while the others wait for its bytes. The time
+between two commits less the round's compute would count that too, but also the CPU a
+peer spends on the exchange and on evaluations, which a head start on the same core
+cannot hide.
 
 What a member computes never changes the shared state, which comes from the exchanged
 bytes only: the number is a matter of speed and loss, never of agreement.

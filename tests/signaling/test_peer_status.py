@@ -31,10 +31,10 @@ class Sink:
         self.decoded.append(protocol.decode(json.dumps(protocol.status(fields))))
 
 
-def _state(sync_every: int) -> TrainState:
+def _state(sync_every: int, steps: int = 64) -> TrainState:
     model = ModelConfig(vocab=default_tokenizer().vocab_size, width=16, layers=1, heads=2,
                         seq=16)
-    run = RunConfig(model=model, batch=2, steps=64, lr=0.01, seed=3, sync_every=sync_every,
+    run = RunConfig(model=model, batch=2, steps=steps, lr=0.01, seed=3, sync_every=sync_every,
                     codec="int8" if sync_every > 1 else "f32")
     return TrainState.fresh(run)
 
@@ -89,7 +89,7 @@ async def test_lockstep_report_without_evaluation_has_no_heldout(tmp_path: Path)
 async def test_heldout_loss_is_resent_with_its_step(tmp_path: Path) -> None:
     """Reports coalesce (the latest wins), so the held-out loss rides on every later
     report, labelled with the step it was evaluated at, not the report's own step."""
-    state = _state(sync_every=32)
+    state = _state(sync_every=32, steps=128)  # step 96 is not the last: no evaluation
     report = _report(tmp_path, eval_every=64)
     report.begin(state)
     sink = Sink()
@@ -151,6 +151,22 @@ async def test_reports_carry_the_pool_fields(tmp_path: Path) -> None:
     end = sink.decoded[-1]
     assert end["cpu"] == mine["cpu"] and end["share"] == 0.5 and "links" not in end
     report.close()
+
+
+def test_hardware_info_names_the_machine_by_a_keyed_hash_of_its_id(tmp_path: Path) -> None:
+    from daisyweb.peer.hardware import hardware_info
+
+    ident = tmp_path / "machine-id"
+    ident.write_text("4f1c2d3e4f5a6b7c8d9e0f1a2b3c4d5e\n")
+    other = tmp_path / "other-id"
+    other.write_text("00000000000000000000000000000001\n")
+    mine = hardware_info(machine_ids=(tmp_path / "missing", ident))["machine"]
+    assert len(mine) == protocol.MACHINE_ID_CHARS and "4f1c2d" not in mine  # not the id
+    assert protocol.decode(json.dumps({"type": "status", "step": 1, "loss": 2.0,
+                                       "hash": "ab", "peers": 1, "machine": mine}))
+    assert hardware_info(machine_ids=(ident,))["machine"] == mine  # the same every start
+    assert hardware_info(machine_ids=(other,))["machine"] != mine
+    assert "machine" not in hardware_info(machine_ids=(tmp_path / "missing",))
 
 
 def test_hardware_info_reads_the_cpu_model_and_cleans_it(tmp_path: Path) -> None:

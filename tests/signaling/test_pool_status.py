@@ -16,7 +16,8 @@ from signaling.server import REGISTRY
 from tests.signaling.local_server import Server
 
 STATUS = {"type": "status", "step": 1, "loss": 2.0, "hash": "ab", "peers": 1}
-POOL = {"cpu": "Intel(R) Core(TM)2 Duo CPU E8400 @ 3.00GHz", "cores": 2, "ram_mb": 3953,
+POOL = {"machine": "0123456789abcdef",
+        "cpu": "Intel(R) Core(TM)2 Duo CPU E8400 @ 3.00GHz", "cores": 2, "ram_mb": 3953,
         "backend": "blas64", "share": 0.375, "peer_tokens_per_s": 812.5, "eta_s": 61.0,
         "total_steps": 300, "links": {"0a": 0.85, "1f": None}}
 
@@ -43,6 +44,9 @@ def test_pool_fields_decoded() -> None:
 
 
 @pytest.mark.parametrize("extra", [
+    {"machine": "0123456789ABCDEF"}, {"machine": "0123456789abcde"},
+    {"machine": "0123456789abcdef0"}, {"machine": "0123456789abcdeg"}, {"machine": 7},
+    {"machine": "0123456789abcde\n"},
     {"cpu": 7}, {"cpu": "c" * (protocol.MAX_CPU_CHARS + 1)}, {"cpu": "Xeon\x1b[2J"},
     {"cpu": "Xeon\u202eCPU"}, {"cpu": "two\nlines"},
     {"cores": 0}, {"cores": -2}, {"cores": 2.0}, {"cores": True},

@@ -69,6 +69,8 @@ def test_demo_group_of_three_ends_with_one_weight_hash(tmp_path) -> None:
     assert {r["mode"] for r in records[:-1]} == {f"rounds H=2 {DEFAULTS['codec']}"}
     assert len(records[0]["roster"]) == 3
     assert records[-2]["weight_hash"].startswith(finals[0][1])
+    # the demo evaluates by default (every 48 steps and the last): a held-out curve
+    assert ["heldout_loss" in r for r in records[:-1]] == [False, True]
 
 
 class _Health:

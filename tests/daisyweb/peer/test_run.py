@@ -861,6 +861,8 @@ def test_rounds_three_peers_identical_at_every_boundary_equal_to_replay(group: G
         # --overlap 1: every round after the first (the last one, of one step, whole)
         # began while the previous exchange was in flight.
         assert [r["head_steps"] for r in p.steps()] == [0, 1, 1, 1]
+        # the progress line says so (the last one is always printed: 1 of the 1 step)
+        assert "round 4/4" in p.log.read_text() and "ahead 1/1" in p.log.read_text()
         assert all(r["comm_s"] <= r["exchange_s"] for r in p.steps())
     assert all(r["owners"] for r in lead.steps())  # three members: the owner exchange
     hashes = same_hashes(lead, a, b)

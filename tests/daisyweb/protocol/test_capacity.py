@@ -224,22 +224,29 @@ def test_computes_name_each_members_share() -> None:
     assert compute.sequences == 2
 
 
-def test_the_leaders_head_start_reaches_every_members_compute() -> None:
-    """``wire.Roster.ahead``: one head start for the group, the leader's measurement."""
+@pytest.mark.parametrize(("own", "theirs", "named"), [(5, 3, 5), (5, 9, 9), (0, 0, 0)])
+def test_the_roster_runs_ahead_as_far_as_its_slowest_exchange_needs(
+        own: int, theirs: int, named: int) -> None:
+    """``wire.Roster.ahead``: one head start for the group, the most any member's last
+    exchange needed (each publishes its need with its hashes), in every member's
+    Compute."""
     reps = {p: Replica() for p in "ab"}
     a = StepMachine("a", reps["a"], 2, lambda: "aa" * 16, leader="a", members=["a", "b"])
-    a.ahead = 5
-    a.start(0.0)
-    b_hashes = wire.StepHashes(0, "b", reps["b"].weight_hash(), "aa" * 16, "00", 0.0)
-    actions = a.message("b", b_hashes, 0.0)
+    a.ahead = own
+    published = [x.message for x in a.start(0.0) if isinstance(x, Send)
+                 and isinstance(x.message, wire.StepHashes)]
+    assert [h.ahead for h in published] == [own]
+    b_hashes = wire.StepHashes(0, "b", reps["b"].weight_hash(), "aa" * 16, "00", 0.0,
+                               (), theirs)
+    actions = a.message("b", wire.decode(wire.encode(b_hashes)), 0.0)
     (roster,) = [x.message for x in actions if isinstance(x, Send)
                  and isinstance(x.message, wire.Roster)]
-    assert roster.ahead == 5
-    assert [x.ahead for x in actions if isinstance(x, Compute)] == [5]
+    assert roster.ahead == named
+    assert [x.ahead for x in actions if isinstance(x, Compute)] == [named]
     b = StepMachine("b", reps["b"], 2, lambda: "aa" * 16, leader="a")
     b.start(0.0)
     out = b.message("a", wire.decode(wire.encode(roster)), 0.0)
-    assert [x.ahead for x in out if isinstance(x, Compute)] == [5]
+    assert [x.ahead for x in out if isinstance(x, Compute)] == [named]
 
 
 def _follower_that_committed_step_0() -> tuple[StepMachine, Replica, list]:

@@ -359,7 +359,7 @@ def test_a_rosters_head_start_is_a_round_length_at_most(ahead: object) -> None:
 @pytest.mark.parametrize("digests", ["ab", ["AB"], ["xyz1"], [1], ["ab"] * 1025])
 def test_step_hashes_digests_are_checked(digests: object) -> None:
     good = {"type": "step_hashes", "step": 1, "sender": "a", "weight_hash": H,
-            "probe_hash": "cd" * 8, "roster_hash": "00", "speed": 0.0}
+            "probe_hash": "cd" * 8, "roster_hash": "00", "speed": 0.0, "ahead": 0}
     msg = decode(_pack({**good, "digests": [wire.payload_digest(b"x"), "ab"]}))
     assert msg.digests == (wire.payload_digest(b"x"), "ab")  # type: ignore[union-attr]
     with pytest.raises(WireError):
@@ -382,7 +382,17 @@ def test_step_hashes_speed_is_checked(speed: object) -> None:
     with pytest.raises(WireError, match="speed"):
         decode(_pack({"type": "step_hashes", "step": 1, "sender": "a",
                            "weight_hash": H, "probe_hash": "cd" * 8, "roster_hash": "00",
-                           "speed": speed, "digests": []}))
+                           "speed": speed, "digests": [], "ahead": 0}))
+
+
+@pytest.mark.parametrize("ahead", [-1, (1 << 20) + 1, 2.0, True, None])
+def test_step_hashes_need_is_a_round_length_at_most(ahead: object) -> None:
+    good = {"type": "step_hashes", "step": 1, "sender": "a", "weight_hash": H,
+            "probe_hash": "cd" * 8, "roster_hash": "00", "speed": 0.0, "digests": [],
+            "ahead": 7}
+    assert decode(_pack(good)).ahead == 7  # type: ignore[union-attr]
+    with pytest.raises(WireError, match="ahead"):
+        decode(_pack({**good, "ahead": ahead}))
 
 
 def test_roster_digest_covers_the_shares() -> None:
