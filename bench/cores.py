@@ -239,7 +239,8 @@ def main() -> None:
         f"average {load[0]:.1f} at the start.",
         "",
         f"Two `daisyweb-peer` processes in the default mode (rounds of {H}, "
-        f"{DEFAULTS['codec']}, a {DEFAULTS['overlap']}-step head start), pinned to cores 0 "
+        f"{DEFAULTS['codec']}, a head start of up to {DEFAULTS['overlap']} steps, as the link "
+        "needs), pinned to cores 0 "
         "and 1 with one BLAS thread each, in a loopback-only network namespace per "
         "transport; each thread's share of its core from /proc over a window of a third "
         "of the run, after the first two rounds (the follower's; the leader's is the "

@@ -255,12 +255,12 @@ def default_step_seconds(out: Path) -> tuple[float, int]:
 
 
 def projection(step_s: float, payload: int, per_round: dict[tuple[str, int], float],
-               sizes: Sequence[int]) -> list[str]:
+               sizes: Sequence[int], overlap: int = int(DEFAULTS["overlap"])) -> list[str]:
     """Group speed over one machine: N x H x step / (H x step + exposed exchange), the
     exchange being a peer's measured bytes per round (in contributions) of the default
-    model's payload over the link, less what the default overlap hides."""
+    model's payload over the link, less what ``overlap`` steps ahead hide (the default:
+    up to the whole round)."""
     h = int(DEFAULTS["sync_every"])
-    overlap = int(DEFAULTS["overlap"])
     out = ["| exchange | link | " + " | ".join(f"N={n}" for n in sizes) + " |",
            "|---|---:|" + "---:|" * len(sizes)]
     for exchange in ("all", "owner"):

@@ -46,7 +46,8 @@ from daisyweb.training.rounds import shared_hash
 ROOT = Path(__file__).resolve().parent.parent
 STEP_TOKENS = int(DEFAULTS["batch"]) * int(DEFAULTS["seq"])  # one peer's tokens per step
 DEFAULT_H, DEFAULT_OVERLAP = int(DEFAULTS["sync_every"]), int(DEFAULTS["overlap"])
-DEFAULT_LABEL = f"rounds H={DEFAULT_H} {DEFAULTS['codec']} overlap {DEFAULT_OVERLAP} (default)"
+DEFAULT_LABEL = (f"rounds H={DEFAULT_H} {DEFAULTS['codec']} overlap up to {DEFAULT_OVERLAP} "
+                 "(default)")
 MODES = [  # (label, sync_every, codec, overlap)
     ("lockstep f32", 1, "f32", 0),
     ("lockstep int8", 1, "int8", 0),

@@ -57,7 +57,8 @@ def test_summarize_counts_per_round_over_the_steady_rounds() -> None:
 def test_the_projection_hides_what_the_overlap_covers() -> None:
     # 1 s a step, rounds of 16, overlap 2: 1 contribution of 10 MB at 5 MB/s is 2 s,
     # all hidden; 4 contributions are 8 s, 6 s of it exposed.
-    lines = scale.projection(1.0, 10_000_000, {("all", 2): 1.0, ("all", 4): 4.0}, [2, 4])
+    lines = scale.projection(1.0, 10_000_000, {("all", 2): 1.0, ("all", 4): 4.0}, [2, 4],
+                             overlap=2)
     five = next(ln for ln in lines if ln.startswith("| all | 5 MB/s"))
     assert five == f"| all | 5 MB/s | 2.0x | {4 * 16 / 22:.1f}x |"
     assert any(ln.startswith("| owner | 5 MB/s | - | - |") for ln in lines)
