@@ -33,6 +33,9 @@ __all__ = [
     "ROUND_FIELDS",
     "LOCKSTEP",
     "CODEC_NAMES",
+    "CHECKPOINT_COMPUTE",
+    "COMPUTE_NAMES",
+    "check_compute",
     "MAX_SYNC_EVERY",
     "check_field",
     "check_heads",
@@ -58,6 +61,9 @@ DEFAULTS: MappingProxyType[str, int | float | str] = MappingProxyType({
     # 1.6x one machine where a fixed 2-step head start made them 1.1x (bench.links).
     "sync_every": 16, "codec": "int2", "outer_lr": 1.0,
     "overlap": 16,
+    # Every forward GEMM through the verified int8 kernels; "float": plain float32 GEMMs
+    # (replicas stay identical either way: only the exchanged bytes must agree).
+    "compute": "int8",
 })
 # The exchange of a checkpoint that names none: it was trained in lockstep, float32.
 LOCKSTEP = MappingProxyType({"sync_every": 1, "codec": "f32", "outer_lr": 1.0, "overlap": 0})
@@ -70,6 +76,9 @@ all-to-all takes one hop where owners take two; from three the owner exchange se
 fewer (1.35 against 2.01 contributions a round at three) for the same CPU and exchange
 time (``python -m bench.scale``, TEST_RESULTS.md section "scale")."""
 CODEC_NAMES = ("f32", "int8", "int4", "int2", "sparse")
+COMPUTE_NAMES = ("int8", "float")
+# The compute of a checkpoint that names none: every run before the choice was int8.
+CHECKPOINT_COMPUTE = "int8"
 MAX_SYNC_EVERY = 1 << 20
 
 MAX_DIM = 1 << 31  # every model dimension and the batch size
@@ -174,6 +183,13 @@ def check_rounds(sync_every: Any, codec: Any, outer_lr: Any, overlap: Any = 0) -
     if overlap and (overlap > sync_every or sync_every == 1):
         raise ValueError(f"overlap must be at most sync_every ({sync_every}) and 0 in "
                          f"lockstep, got {overlap}")
+
+
+def check_compute(compute: Any) -> None:
+    """How the forward GEMMs run: the int8 kernels or plain float32."""
+    if compute not in COMPUTE_NAMES:
+        raise ValueError(f"compute must be one of {', '.join(COMPUTE_NAMES)}, "
+                         f"got {compute!r:.40}")
 
 
 def default_overlap(sync_every: int) -> int:

@@ -25,7 +25,7 @@ from typing import IO
 
 from daisyweb.checkpoints.checkpoint import CheckpointError, TokenizerInfo
 from daisyweb.data import BatchSampler, builtin_tokens, default_tokenizer
-from daisyweb.rules import CODEC_NAMES
+from daisyweb.rules import CODEC_NAMES, COMPUTE_NAMES
 from daisyweb.training.config import DEFAULTS, RunConfig, run_config
 from daisyweb.training.loop import train_local
 from daisyweb.training.metrics import MetricsWriter, Progress, kernel_line, kernel_report
@@ -62,6 +62,9 @@ def _parser() -> argparse.ArgumentParser:
                    help="steps of each round run while the last exchange is in flight "
                         f"(default {DEFAULTS['overlap']}; at most --sync-every: the whole "
                         "round, the group's update applied a round later)")
+    p.add_argument("--compute", choices=COMPUTE_NAMES,
+                   help="the forward GEMMs: the verified int8 kernels or plain float32 "
+                        f"(default {DEFAULTS['compute']})")
     p.add_argument("--capacity", choices=("on", "off"), default="on",
                    help="faster peers take a bigger share of each step's sequences "
                         "(default on)")
@@ -86,7 +89,8 @@ def _run_config(args: argparse.Namespace, parser: argparse.ArgumentParser) -> Ru
         return run_config(vocab, width=args.width, layers=args.layers, heads=args.heads,
                           seq=args.seq, batch=args.batch, steps=args.steps, lr=args.lr,
                           seed=args.seed, data="builtin", sync_every=args.sync_every,
-                          codec=args.codec, outer_lr=args.outer_lr, overlap=args.overlap)
+                          codec=args.codec, outer_lr=args.outer_lr, overlap=args.overlap,
+                          compute=args.compute)
     except ValueError as exc:
         parser.error(str(exc))
         raise  # unreachable: parser.error exits
@@ -231,7 +235,7 @@ def peer_commands(args: argparse.Namespace, run: RunConfig, server: str,
         "--batch", str(run.batch), "--steps", str(run.steps), "--lr", repr(run.lr),
         "--seed", str(run.seed), "--sync-every", str(run.sync_every), "--codec", run.codec,
         "--outer-lr", repr(run.outer_lr), "--overlap", str(run.overlap),
-        "--capacity", args.capacity]
+        "--compute", run.compute, "--capacity", args.capacity]
     if args.save:
         leader += ["--save", args.save]
         if args.save_every:

@@ -12,18 +12,21 @@ import numpy as np
 from daisyweb.cli.common import damaged, open_checkpoint
 from daisyweb.data import Tokenizer, default_tokenizer
 from daisyweb.model import ModelConfig, forward
+from daisyweb.rules import CHECKPOINT_COMPUTE
 from kernels import NonFiniteError
 
 
 def sample_tokens(model: ModelConfig, params: np.ndarray, prompt: np.ndarray, *,
-                  tokens: int, temperature: float, seed: int) -> np.ndarray:
-    """Autoregressive sampling; ``temperature`` 0 means greedy. Returns new ids only."""
+                  tokens: int, temperature: float, seed: int,
+                  quantized: bool = True) -> np.ndarray:
+    """Autoregressive sampling; ``temperature`` 0 means greedy. Returns new ids only.
+    ``quantized``: the int8 forward (else plain float32, for a ``--compute float`` run)."""
     rng = np.random.default_rng(seed)
     ids = [int(t) for t in prompt]
     out: list[int] = []
     for _ in range(tokens):
         window = np.asarray(ids[-model.seq:], dtype=np.int32)[None, :]
-        logits = forward(model, params, window)[0, -1].astype(np.float64)
+        logits = forward(model, params, window, quantized=quantized)[0, -1].astype(np.float64)
         if temperature <= 0:
             nxt = int(np.argmax(logits))
         else:
@@ -70,7 +73,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         with warnings.catch_warnings():  # an overflow is refused below, in one line
             warnings.simplefilter("ignore", RuntimeWarning)
             new = sample_tokens(ckpt.model, ckpt.params, prompt, tokens=args.tokens,
-                                temperature=args.temperature, seed=args.seed)
+                                temperature=args.temperature, seed=args.seed,
+                                quantized=ckpt.run.get("compute", CHECKPOINT_COMPUTE) != "float")
     except (NonFiniteError, FloatingPointError) as exc:
         return damaged("daisyweb-generate", args.checkpoint, ckpt, exc)
     sys.stdout.write(args.prompt + tok.decode(new) + "\n")

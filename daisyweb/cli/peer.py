@@ -37,6 +37,7 @@ from daisyweb.net.ice import parse_server_url  # pure Python too
 # run defaults (also daisyweb.training.config.DEFAULTS, and daisyweb-demo's).
 from daisyweb.rules import (
     CODEC_NAMES,
+    COMPUTE_NAMES,
     DEFAULTS,
     EXCHANGES,
     FIELD_RULES,
@@ -53,7 +54,7 @@ __all__ = ["DEFAULTS", "build_parser", "parse_args", "main"]
 PROG = "daisyweb-peer"
 _MODEL_FLAGS = ("width", "layers", "heads", "seq", "batch", "steps", "lr", "seed",
                 "sync_every", "outer_lr", "overlap")
-_RUN_FLAGS = (*_MODEL_FLAGS, "codec")
+_RUN_FLAGS = (*_MODEL_FLAGS, "codec", "compute")
 
 
 class _Parser(argparse.ArgumentParser):
@@ -124,6 +125,9 @@ def build_parser() -> argparse.ArgumentParser:
                        help=f"leader: default {DEFAULTS[flag]}")
     p.add_argument("--codec", choices=CODEC_NAMES, default=None,
                    help=f"leader: what members exchange (default {DEFAULTS['codec']})")
+    p.add_argument("--compute", choices=COMPUTE_NAMES, default=None,
+                   help="leader: the forward GEMMs through the verified int8 kernels, or "
+                        f"plain float32 (default {DEFAULTS['compute']})")
     p.add_argument("--capacity", choices=("on", "off"), default=None,
                    help="leader: give faster members a bigger share of each step's (or "
                         "round's) sequences, by their measured speed (default on); off: "
@@ -192,6 +196,8 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
         for f in _MODEL_FLAGS:
             if getattr(args, f) is None and f != "overlap":  # overlap: within the round
                 setattr(args, f, DEFAULTS[f])
+        if args.compute is None:
+            args.compute = DEFAULTS["compute"]
         if args.overlap is None:
             args.overlap = default_overlap(args.sync_every)
         elif args.overlap and (args.overlap > args.sync_every or args.sync_every == 1):

@@ -58,7 +58,7 @@ def tokenizer_info() -> tuple[Tokenizer, TokenizerInfo]:
 # What a --resume takes from the checkpoint; a flag that contradicts it is refused.
 # The step budget (--steps) and the saving flags stay the user's.
 _FROM_CHECKPOINT = ("width", "layers", "heads", "seq", "batch", "lr", "seed", "sync_every",
-                    "codec", "outer_lr", "overlap")
+                    "codec", "outer_lr", "overlap", "compute")
 
 
 def leader_state(opts: PeerOptions, tokinfo: TokenizerInfo) -> TrainState:
@@ -70,7 +70,7 @@ def leader_state(opts: PeerOptions, tokinfo: TokenizerInfo) -> TrainState:
         run = run_config(tokinfo.vocab_size, **m, batch=opts.batch, steps=opts.steps,
                          lr=opts.lr, seed=opts.seed, data="server",
                          sync_every=opts.sync_every, codec=opts.codec, outer_lr=opts.outer_lr,
-                         overlap=opts.overlap)
+                         overlap=opts.overlap, compute=opts.compute)
     except (TypeError, ValueError) as exc:
         reason = str(exc).removeprefix("bad run config: ")
         raise PeerError(2, f"bad run config: {reason}") from None

@@ -39,6 +39,7 @@ class PeerOptions:
     codec: str | None = None
     outer_lr: float | None = None
     overlap: int | None = None
+    compute: str | None = None  # leader: "int8" or "float" forward GEMMs
     capacity: bool = True  # leader: capacity-weighted batches (shares by measured speed)
     exchange: str = "auto"  # as leader: all | owner | auto (protocol.owner_exchange)
     resume: str | None = None
@@ -70,7 +71,8 @@ def options_from_args(args: argparse.Namespace) -> PeerOptions:
         server=args.server, room=args.room, name=args.name, approve=args.approve,
         start=args.start, model=model, batch=args.batch, steps=args.steps, lr=args.lr,
         seed=args.seed, sync_every=args.sync_every, codec=args.codec, outer_lr=args.outer_lr,
-        overlap=args.overlap, capacity=args.capacity != "off", exchange=args.exchange,
+        overlap=args.overlap, compute=args.compute, capacity=args.capacity != "off",
+        exchange=args.exchange,
         resume=args.resume, save=args.save, save_every=args.save_every,
         eval_every=args.eval_every,
         metrics=args.metrics, join_timeout=args.join_timeout, stun=list(args.stun),

@@ -249,7 +249,8 @@ class Report:
         if self._eval_batches is None:
             self._eval_batches = heldout_batches(state.run.model.seq)
         t0 = time.perf_counter()
-        loss = heldout_loss(state.run.model, state.params, self._eval_batches)
+        loss = heldout_loss(state.run.model, state.params, self._eval_batches,
+                            state.run.quantized)
         self.last_eval = done
         return loss, time.perf_counter() - t0
 

@@ -302,6 +302,7 @@ class Config(_Msg):
     codec: str
     outer_lr: float
     overlap: int
+    compute: str = "int8"  # the verified kernels, or "float" (plain float32 GEMMs)
 
     type: ClassVar[str] = "config"
     # Every bound is the run's own rule (daisyweb.rules): one source for the CLI, the
@@ -310,6 +311,7 @@ class Config(_Msg):
         **{name: _rule(name) for name in rules.FIELD_RULES},
         "data": _str(rules.MAX_DATA_LEN),
         "codec": _choice(*rules.CODEC_NAMES),
+        "compute": _choice(*rules.COMPUTE_NAMES),
     }
 
     @classmethod

@@ -17,7 +17,15 @@ from daisyweb.checkpoints.checkpoint import Checkpoint
 from daisyweb.model import ModelConfig
 from daisyweb.optim import AdamConfig
 from daisyweb.protocol import wire
-from daisyweb.rules import DEFAULTS, LOCKSTEP, check_rounds, check_run, default_overlap
+from daisyweb.rules import (
+    CHECKPOINT_COMPUTE,
+    DEFAULTS,
+    LOCKSTEP,
+    check_compute,
+    check_rounds,
+    check_run,
+    default_overlap,
+)
 
 __all__ = ["DEFAULTS", "RunConfig", "run_config"]
 
@@ -39,6 +47,8 @@ class RunConfig:
     # Rounds: steps of each round taken while the previous round's exchange is in flight;
     # None: the default, within this run's rounds (0 in lockstep).
     overlap: int = None  # type: ignore[assignment]
+    # The forward GEMMs: the int8 kernels, or plain float32 ("float").
+    compute: str = str(DEFAULTS["compute"])
 
     def __post_init__(self) -> None:
         if self.overlap is None:
@@ -49,8 +59,14 @@ class RunConfig:
         try:
             check_run(self.batch, self.steps, self.lr, self.seed, self.data)
             check_rounds(self.sync_every, self.codec, self.outer_lr, self.overlap)
+            check_compute(self.compute)
         except ValueError as exc:
             raise ValueError(f"bad run config: {exc}") from None
+
+    @property
+    def quantized(self) -> bool:
+        """Whether the forward GEMMs run through the int8 kernels."""
+        return self.compute == "int8"
 
     def adam(self) -> AdamConfig:
         return AdamConfig(lr=self.lr)
@@ -62,6 +78,7 @@ class RunConfig:
             "vocab": m.vocab, "batch": self.batch, "steps": self.steps, "lr": self.lr,
             "seed": self.seed, "data": self.data, "sync_every": self.sync_every,
             "codec": self.codec, "outer_lr": self.outer_lr, "overlap": self.overlap,
+            "compute": self.compute,
         })
 
     @classmethod
@@ -70,13 +87,15 @@ class RunConfig:
                             heads=msg.heads, seq=msg.seq)
         return cls(model=model, batch=msg.batch, steps=msg.steps, lr=msg.lr,
                    seed=msg.seed, data=msg.data, sync_every=msg.sync_every,
-                   codec=msg.codec, outer_lr=msg.outer_lr, overlap=msg.overlap)
+                   codec=msg.codec, outer_lr=msg.outer_lr, overlap=msg.overlap,
+                   compute=msg.compute)
 
     def to_dict(self) -> dict[str, Any]:
         """Plain metadata for a checkpoint's ``run`` dict (the model goes separately)."""
         return {"batch": self.batch, "steps": self.steps, "lr": self.lr,
                 "seed": self.seed, "data": self.data, "sync_every": self.sync_every,
-                "codec": self.codec, "outer_lr": self.outer_lr, "overlap": self.overlap}
+                "codec": self.codec, "outer_lr": self.outer_lr, "overlap": self.overlap,
+                "compute": self.compute}
 
     @property
     def rounds(self) -> bool:
@@ -92,7 +111,8 @@ class RunConfig:
             return cls(model=ckpt.model, batch=int(run["batch"]), steps=int(run["steps"]),
                        lr=float(run["lr"]), seed=int(run["seed"]), data=str(run["data"]),
                        sync_every=int(mode["sync_every"]), codec=str(mode["codec"]),
-                       outer_lr=float(mode["outer_lr"]), overlap=int(mode["overlap"]))
+                       outer_lr=float(mode["outer_lr"]), overlap=int(mode["overlap"]),
+                       compute=str(run.get("compute", CHECKPOINT_COMPUTE)))
         except (KeyError, TypeError, ValueError) as exc:
             raise ValueError(f"checkpoint run metadata is incomplete: {exc}") from None
 
@@ -113,6 +133,7 @@ def run_config(
     codec: str | None = None,
     outer_lr: float | None = None,
     overlap: int | None = None,
+    compute: str | None = None,
 ) -> RunConfig:
     """A validated :class:`RunConfig`; every ``None`` takes its value from :data:`DEFAULTS`.
 
@@ -128,4 +149,4 @@ def run_config(
                      lr=pick("lr", lr), seed=pick("seed", seed), data=data,
                      sync_every=pick("sync_every", sync_every), codec=pick("codec", codec),
                      outer_lr=pick("outer_lr", outer_lr),
-                     overlap=overlap)
+                     overlap=overlap, compute=pick("compute", compute))

@@ -63,11 +63,12 @@ def heldout_batches(seq: int, *, batches: int = DEFAULT_BATCHES, batch: int = DE
 
 
 def heldout_loss(model_config: ModelConfig, params: np.ndarray,
-                 batches: Sequence[np.ndarray]) -> float:
+                 batches: Sequence[np.ndarray], quantized: bool = True) -> float:
     """Mean next-token cross-entropy of ``params`` over ``batches`` (each ``[B, T + 1]``).
 
-    Each batch's mean comes from ``loss_only`` (the same int8 forward training uses); the
-    N means are added as Python floats in list order and divided by N once.
+    Each batch's mean comes from ``loss_only`` (the forward training uses: int8, or plain
+    float32 without ``quantized``); the N means are added as Python floats in list order
+    and divided by N once.
     """
     batches = list(batches)
     if not batches:
@@ -77,5 +78,5 @@ def heldout_loss(model_config: ModelConfig, params: np.ndarray,
             raise ValueError(f"each batch must have shape [B, T + 1], got {np.shape(b)}")
     total = 0.0
     for b in batches:
-        total += float(loss_only(model_config, params, b))
+        total += float(loss_only(model_config, params, b, quantized=quantized))
     return total / len(batches)

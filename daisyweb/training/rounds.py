@@ -316,7 +316,8 @@ class RoundTrainer:
         total = 0.0
         grad = np.empty_like(local)  # one gradient buffer for these steps
         for j in steps:
-            loss, _ = loss_and_grad(state.run.model, local, batch(first + j), out=grad)
+            loss, _ = loss_and_grad(state.run.model, local, batch(first + j), out=grad,
+                                    quantized=state.run.quantized)
             optimizer.step(local, check_gradient(grad, state.size, "local gradient"))
             total += float(loss)
         return total

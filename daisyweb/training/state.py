@@ -78,7 +78,8 @@ class TrainState:
 
     def gradient(self, batch: np.ndarray) -> tuple[float, np.ndarray]:
         """Loss and float32 gradient on ``batch`` ([B, seq+1] token ids); state untouched."""
-        loss, grad = loss_and_grad(self.run.model, self.params, batch)
+        loss, grad = loss_and_grad(self.run.model, self.params, batch,
+                                   quantized=self.run.quantized)
         return float(loss), grad
 
     def apply(self, average: np.ndarray, *, owned: bool = False) -> None:

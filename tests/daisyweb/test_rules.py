@@ -16,7 +16,7 @@ def test_bounds_are_the_wire_configs() -> None:
     assert rules.MAX_DATA_LEN == wire.MAX_TEXT_LEN
     base = {"width": 8, "layers": 1, "heads": 2, "seq": 4, "vocab": 9, "batch": 1,
             "steps": 1, "lr": 1e-3, "seed": 0, "data": "builtin", "sync_every": 1,
-            "codec": "f32", "outer_lr": 1.0, "overlap": 0}
+            "codec": "f32", "outer_lr": 1.0, "overlap": 0, "compute": "int8"}
     edges = {
         "width": [0, 1, rules.MAX_DIM, rules.MAX_DIM + 1, True],
         "batch": [0, 1, rules.MAX_DIM, rules.MAX_DIM + 1],
@@ -64,6 +64,21 @@ def test_check_field_says_the_rule() -> None:
         rules.check_field("steps", 0)
     with pytest.raises(ValueError, match="at most 2147483648"):
         rules.check_field("width", rules.MAX_DIM + 1)
+
+
+@pytest.mark.parametrize("compute", ["int8", "float"])
+def test_compute_is_int8_or_float_on_the_wire_and_in_the_rules(compute: str) -> None:
+    base = dict(rules.DEFAULTS, vocab=9, width=8, heads=2)
+    assert wire.Config.from_dict(dict(base, compute=compute)).compute == compute
+    rules.check_compute(compute)
+    for bad in ("float32", "INT8", "", 8, None):
+        with pytest.raises(wire.WireError, match="compute"):
+            wire.Config.from_dict(dict(base, compute=bad))
+        with pytest.raises(ValueError, match="compute must be one of int8, float"):
+            rules.check_compute(bad)
+    without = {k: v for k, v in base.items() if k != "compute"}
+    with pytest.raises(wire.WireError, match="compute"):  # every field is required
+        wire.Config.from_dict(without)
 
 
 def test_overlap_is_at_most_the_round_and_none_in_lockstep() -> None:

@@ -164,9 +164,9 @@ def _patch_loss(monkeypatch, at: int, effect) -> None:
     real = state.loss_and_grad
     calls = [0]
 
-    def patched(model, params, batch):
+    def patched(model, params, batch, **kw):
         calls[0] += 1
-        loss, grad = real(model, params, batch)
+        loss, grad = real(model, params, batch, **kw)
         if calls[0] == at:
             return effect(loss, grad)
         return loss, grad

@@ -24,6 +24,8 @@ S = ["--server", "http://127.0.0.1:9"]
         ([*S, "--room", "bad code!"], "--room"),
         ([*S, "--approve", "maybe"], "invalid choice"),
         ([*S, "--width", "64"], "needs --start"),
+        ([*S, "--compute", "float"], "needs --start"),
+        ([*S, "--start", "--compute", "fp16"], "invalid choice"),
         ([*S, "--resume", "x.pt"], "needs --start"),
         ([*S, "--start", "--width", "0"], "positive integer"),
         ([*S, "--start", "--width", "abc"], "positive integer"),

@@ -877,6 +877,19 @@ def test_rounds_three_peers_identical_at_every_boundary_equal_to_replay(group: G
     assert lead.steps()[-1]["bytes_sent"] == 4 * payload
 
 
+def test_rounds_float_compute_group_identical_at_every_boundary_equal_to_replay(
+        group: Group) -> None:
+    """--compute float: plain float32 GEMMs in every member's steps; the members still
+    agree at every boundary (only the exchanged bytes must) and equal the oracle."""
+    ck = group.tmp / "lead.pt"
+    lead = group.leader(*ROUNDS, "--steps", "6", "--wait-peers", "2", "--compute", "float",
+                        "--save", str(ck))
+    a = group.spawn("a")
+    assert [p.wait() for p in (lead, a)] == [0, 0], group.logs()
+    assert same_hashes(lead, a) == round_oracle(group, lead)
+    assert load_checkpoint(ck).run["compute"] == "float"
+
+
 def test_rounds_dropped_contribution_is_repaired_bit_exact(group: Group) -> None:
     lead = group.leader(*ROUNDS, "--steps", "6", "--wait-peers", "3", "--exchange", "all")
     a = group.spawn("a")

@@ -35,6 +35,47 @@ def test_run_config_round_trips_through_wire() -> None:
     assert RunConfig.from_wire(msg) == run
 
 
+def test_compute_float_trains_with_float_gemms_and_travels_with_the_run(tmp_path) -> None:
+    """``--compute float``: every gradient (lockstep and rounds) and the held-out loss
+    use plain float32 GEMMs; the choice crosses the wire and lives in checkpoints, and a
+    checkpoint that names none was int8."""
+    import dataclasses
+
+    from daisyweb.cli.eval import evaluate_checkpoint
+    from daisyweb.data import default_tokenizer
+    from daisyweb.model import loss_and_grad
+    from daisyweb.training.rounds import RoundTrainer
+
+    tok = default_tokenizer()
+    model = dataclasses.replace(TINY, vocab=tok.vocab_size)  # the held-out text's ids
+    int8 = RunConfig(model=model, batch=4, steps=2, lr=1e-2, seed=3, sync_every=1,
+                     codec="f32")
+    flt = dataclasses.replace(int8, compute="float")
+    assert int8.compute == "int8" and int8.quantized and not flt.quantized
+    batch = _fixed_batch(0)
+    a, b = TrainState.fresh(int8), TrainState.fresh(flt)
+    ga, gb = a.gradient(batch)[1], b.gradient(batch)[1]
+    assert np.array_equal(gb, loss_and_grad(model, b.params, batch, quantized=False)[1])
+    assert not np.array_equal(ga, gb)
+    rounds = dataclasses.replace(flt, sync_every=2, codec="int8", overlap=0)
+    c = RoundTrainer(TrainState.fresh(rounds), 2).contribute(0, _fixed_batch)
+    w = TrainState.fresh(rounds)
+    for j in range(2):  # the round written out with float gradients
+        w.optimizer.step(w.params, loss_and_grad(model, w.params, _fixed_batch(j),
+                                                 quantized=False)[1])
+    assert np.array_equal(c.vector, TrainState.fresh(rounds).params - w.params)
+    assert RunConfig.from_wire(wire.decode(wire.encode(flt.to_wire()))) == flt
+    save = tmp_path / "f.pt"
+    train_local(b, _fixed_batch, tokenizer=TokenizerInfo(tok.vocab_size, tok.file_hash),
+                save=save)
+    ckpt = load_checkpoint(save)
+    assert ckpt.run["compute"] == "float" and RunConfig.from_checkpoint(ckpt) == flt
+    old = dataclasses.replace(ckpt, run={k: v for k, v in ckpt.run.items() if k != "compute"})
+    assert RunConfig.from_checkpoint(old).compute == "int8"
+    # daisyweb-eval evaluates through the forward the run trained with
+    assert evaluate_checkpoint(ckpt, batches=2).loss != evaluate_checkpoint(old, batches=2).loss
+
+
 @pytest.mark.parametrize("bad", [{"batch": 0}, {"steps": 0}, {"lr": -1.0}, {"seed": -1}])
 def test_run_config_refuses_bad_values(bad: dict) -> None:
     kwargs = {"model": TINY, "batch": 4, "steps": 5, "lr": 1e-3, "seed": 0} | bad
