@@ -27,6 +27,25 @@ def test_demo_single_peer_trains_saves_and_generate_reads_it(tmp_path, capsys) -
     assert capsys.readouterr().out == first  # seeded sampling is reproducible
 
 
+@pytest.mark.parametrize("compute", ["int8", "float"])
+def test_generate_samples_through_the_forward_the_run_trained_with(
+        tmp_path, capsys, monkeypatch, compute: str) -> None:
+    save = tmp_path / "demo.pt"
+    assert demo.main(["--peers", "1", "--steps", "2", "--save", str(save),
+                      "--compute", compute, *TINY]) == 0
+    assert load_checkpoint(save).run["compute"] == compute
+    seen = []
+    real = generate.forward
+
+    def spy(*a, **kw):
+        seen.append(kw.get("quantized", True))
+        return real(*a, **kw)
+
+    monkeypatch.setattr(generate, "forward", spy)
+    assert generate.main([str(save), "--tokens", "2"]) == 0
+    assert seen == [compute == "int8"] * 2
+
+
 @pytest.mark.parametrize("argv", [["--peers", "0"], ["--steps", "0"], ["--width", "15"],
                                   ["--save-every", "5"], ["--peers", "x"]])
 def test_demo_bad_flags_exit_2_with_message(argv, capsys) -> None:
