@@ -178,7 +178,9 @@ def summarize(mode: str, rate: float | None, n: int, peers: list[Peer], target: 
         if a is not None and b is not None:
             sent.append(b["wire_sent"] - a["wire_sent"])
     per_token = statistics.median(sent) / tokens
-    heads = [r["head_steps"] for p in peers for r in _records(p) if "round" in r][1:]
+    # each member's rounds after its first (which no head start can precede)
+    heads = [r["head_steps"] for p in peers
+             for r in [x for x in _records(p) if "round" in x][1:]]
     res = Result(mode, rate, n, tps, None if reached is None else reached - peers[0].started,
                  per_token, lead[-1].get("heldout_loss", float("nan")),
                  head_steps=statistics.median(heads) if heads else 0.0)
