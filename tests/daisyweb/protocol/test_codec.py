@@ -1,6 +1,8 @@
 """The payload codecs: f32 (lossless), int8 and int4 (blockwise absmax, exact), error
 feedback."""
 
+from collections.abc import Iterator
+
 import numpy as np
 import pytest
 from hypothesis import given, settings
@@ -52,21 +54,33 @@ def _with_scale(payload: bytes, index: int, value: float) -> bytes:
     return bytes(raw)
 
 
-def _reference(x: np.ndarray, block: int = B) -> tuple[np.ndarray, np.ndarray]:
-    """The documented recipe, one block and one value at a time with numpy float32 scalars."""
+def _reference_blocks(x: np.ndarray, block: int, top: float
+                      ) -> Iterator[tuple[np.float32, list[np.float32]]]:
+    """The documented absmax recipe's blocks, one at a time with numpy float32 scalars:
+    each block's values (subnormals as 0) and its scale ``max|v| / top`` (0 when it falls
+    below the smallest normal)."""
     f = np.float32
-    scales, qs = [], []
     for start in range(0, x.size, block):
         vals = [f(0.0) if abs(v) < np.finfo(f).tiny else f(v) for v in x[start:start + block]]
-        m = max(abs(v) for v in vals)
-        s = f(m / f(127.0))
-        if s < np.finfo(f).tiny:
-            s = f(0.0)
+        s = f(max(abs(v) for v in vals) / f(top))
+        yield (f(0.0) if s < np.finfo(f).tiny else s), vals
+
+
+def _reference_absmax(x: np.ndarray, block: int, top: float
+                      ) -> tuple[np.ndarray, np.ndarray]:
+    """int8's recipe with ``L = top``: round half up, clamp to [-L, L], value by value."""
+    f = np.float32
+    scales, qs = [], []
+    for s, vals in _reference_blocks(x, block, top):
         scales.append(s)
-        for v in vals:
-            q = 0.0 if s == 0 else min(max(float(np.floor(f(f(v / s) + f(0.5)))), -127.0), 127.0)
-            qs.append(int(q))
+        qs += [0 if s == 0 else int(min(max(float(np.floor(f(f(v / s) + f(0.5)))), -top), top))
+               for v in vals]
     return np.array(scales, np.float32), np.array(qs, np.int8)
+
+
+def _reference(x: np.ndarray, block: int = B) -> tuple[np.ndarray, np.ndarray]:
+    """The documented int8 recipe."""
+    return _reference_absmax(x, block, 127.0)
 
 
 # -- registry and f32 -----------------------------------------------------------------------
@@ -547,17 +561,7 @@ def _nibbles(payload: bytes, size: int) -> np.ndarray:
 
 def _reference4(x: np.ndarray, block: int = B4) -> tuple[np.ndarray, np.ndarray]:
     """int8's documented recipe with L = 7, one value at a time."""
-    f = np.float32
-    scales, qs = [], []
-    for start in range(0, x.size, block):
-        vals = [f(0.0) if abs(v) < np.finfo(f).tiny else f(v) for v in x[start:start + block]]
-        s = f(max(abs(v) for v in vals) / f(7.0))
-        if s < np.finfo(f).tiny:
-            s = f(0.0)
-        scales.append(s)
-        qs += [0 if s == 0 else int(min(max(float(np.floor(f(f(v / s) + f(0.5)))), -7.0), 7.0))
-               for v in vals]
-    return np.array(scales, np.float32), np.array(qs, np.int8)
+    return _reference_absmax(x, block, 7.0)
 
 
 @pytest.mark.parametrize("size", [0, 1, 2, B4 - 1, B4, 3 * B4 + 17, 256 * B4 + 1])
@@ -702,11 +706,7 @@ def _reference2(x: np.ndarray, block: int = B2) -> tuple[np.ndarray, np.ndarray]
     """The documented int2 recipe, value by value in float32."""
     f = np.float32
     scales, qs = [], []
-    for start in range(0, x.size, block):
-        vals = [f(0.0) if abs(v) < np.finfo(f).tiny else f(v) for v in x[start:start + block]]
-        s = f(max(abs(v) for v in vals) / f(3.0))
-        if s < np.finfo(f).tiny:
-            s = f(0.0)
+    for s, vals in _reference_blocks(x, block, 3.0):
         scales.append(s)
         for v in vals:
             if v == 0:
