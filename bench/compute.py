@@ -18,24 +18,22 @@ import sys
 import time
 from concurrent.futures import ThreadPoolExecutor
 
+from bench._group import ROOT
 from bench._results import machine, write_section
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 CHECKPOINTS = (150, 300, 600)
 
 
 def one(compute: str, steps: int) -> dict:
     """Train one peer in this process; its held-out curve and seconds per step."""
-    import dataclasses
-
     from daisyweb.data import BatchSampler, builtin_tokens, default_tokenizer
     from daisyweb.training.config import run_config
     from daisyweb.training.evaluate import heldout_batches, heldout_loss
     from daisyweb.training.state import TrainState
 
     tok = default_tokenizer()
-    run = dataclasses.replace(run_config(tok.vocab_size, steps=steps, sync_every=1,
-                                         codec="f32", compute=compute), overlap=0)
+    run = run_config(tok.vocab_size, steps=steps, sync_every=1, codec="f32",
+                     compute=compute)
     state = TrainState.fresh(run)
     sampler = BatchSampler(builtin_tokens(), batch=run.batch, seq=run.model.seq,
                            seed=run.seed, peer="bench-compute")

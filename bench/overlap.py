@@ -20,9 +20,8 @@ import subprocess
 import sys
 from concurrent.futures import ThreadPoolExecutor
 
+from bench._group import ROOT
 from bench._results import machine, write_section
-
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 def _one(k: int, seed: int, steps: int, h: int, codec: str, core: int) -> float:

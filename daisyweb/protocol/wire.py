@@ -302,7 +302,8 @@ class Config(_Msg):
     codec: str
     outer_lr: float
     overlap: int
-    compute: str = "int8"  # the verified kernels, or "float" (plain float32 GEMMs)
+    # the verified int8 kernels, or "float" (plain float32 GEMMs)
+    compute: str = str(rules.DEFAULTS["compute"])
 
     type: ClassVar[str] = "config"
     # Every bound is the run's own rule (daisyweb.rules): one source for the CLI, the
