@@ -19,7 +19,7 @@ from daisyweb.checkpoints.checkpoint import (
 )
 from daisyweb.cli.common import damaged, open_checkpoint
 from daisyweb.data import heldout_tokens
-from daisyweb.rules import CHECKPOINT_COMPUTE
+from daisyweb.training.config import trained_quantized
 from daisyweb.training.evaluate import (
     DEFAULT_BATCH,
     DEFAULT_BATCHES,
@@ -54,8 +54,7 @@ def evaluate_checkpoint(ckpt: Checkpoint, batches: int = DEFAULT_BATCHES) -> Eva
     """Held-out loss of a loaded checkpoint on ``batches`` fixed batches, through the
     forward it was trained with (its run's ``compute``; int8 when it names none)."""
     data = heldout_batches(ckpt.model.seq, batches=batches, batch=DEFAULT_BATCH)
-    quantized = ckpt.run.get("compute", CHECKPOINT_COMPUTE) != "float"
-    loss = heldout_loss(ckpt.model, ckpt.params, data, quantized)
+    loss = heldout_loss(ckpt.model, ckpt.params, data, trained_quantized(ckpt))
     return Evaluation(ckpt.step, loss, batches, DEFAULT_BATCH, ckpt.model.seq)
 
 

@@ -12,7 +12,7 @@ import numpy as np
 from daisyweb.cli.common import damaged, open_checkpoint
 from daisyweb.data import Tokenizer, default_tokenizer
 from daisyweb.model import ModelConfig, forward
-from daisyweb.rules import CHECKPOINT_COMPUTE
+from daisyweb.training.config import trained_quantized
 from kernels import NonFiniteError
 
 
@@ -74,7 +74,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             warnings.simplefilter("ignore", RuntimeWarning)
             new = sample_tokens(ckpt.model, ckpt.params, prompt, tokens=args.tokens,
                                 temperature=args.temperature, seed=args.seed,
-                                quantized=ckpt.run.get("compute", CHECKPOINT_COMPUTE) != "float")
+                                quantized=trained_quantized(ckpt))
     except (NonFiniteError, FloatingPointError) as exc:
         return damaged("daisyweb-generate", args.checkpoint, ckpt, exc)
     sys.stdout.write(args.prompt + tok.decode(new) + "\n")

@@ -12,6 +12,7 @@ differ), which every peer checks itself, so a fork stops everyone even if the le
 from __future__ import annotations
 
 from collections.abc import Callable
+from typing import Any
 
 from daisyweb import rules
 from daisyweb.protocol import wire
@@ -45,16 +46,11 @@ class HashBook:
         """Our hashes at boundary ``b``; older boundaries than ``b - 1`` are forgotten."""
         self.own[b] = hashes
         self.seen.setdefault(b, {})[self_id] = (*hashes, roster_hash)
-        for old in [k for k in self.own if k < b - 1]:
-            del self.own[old]
-        for old in [k for k in self.seen if k < b - 1]:
-            del self.seen[old]
-        for old in [k for k in self.speeds if k < b - 1]:
-            del self.speeds[old]
-        for old in [k for k in self.ahead if k < b - 1]:
-            del self.ahead[old]
-        for old in [k for k in self.digests if k < b - 1]:
-            del self.digests[old]
+        by_boundary: tuple[dict[int, Any], ...] = (self.own, self.seen, self.speeds,
+                                                   self.ahead, self.digests)
+        for book in by_boundary:
+            for old in [k for k in book if k < b - 1]:
+                del book[old]
 
     def equivocators(self, b: int, roster: tuple[str, ...], a: str, c: str) -> list[str]:
         """Members of ``roster`` whose contributions ``a`` and ``c`` averaged differ, by

@@ -27,7 +27,7 @@ from daisyweb.rules import (
     default_overlap,
 )
 
-__all__ = ["DEFAULTS", "RunConfig", "run_config"]
+__all__ = ["DEFAULTS", "RunConfig", "run_config", "trained_quantized"]
 
 
 @dataclass(frozen=True)
@@ -150,3 +150,9 @@ def run_config(
                      sync_every=pick("sync_every", sync_every), codec=pick("codec", codec),
                      outer_lr=pick("outer_lr", outer_lr),
                      overlap=overlap, compute=pick("compute", compute))
+
+
+def trained_quantized(ckpt: Checkpoint) -> bool:
+    """Whether a checkpoint's run trained through the int8 forward (its ``compute``; one
+    that names none did): what evaluating or sampling it must run through."""
+    return ckpt.run.get("compute", CHECKPOINT_COMPUTE) != "float"
