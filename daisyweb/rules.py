@@ -43,6 +43,7 @@ __all__ = [
     "check_run",
     "check_rounds",
     "default_overlap",
+    "overlap_fits",
     "is_lower_hex",
 ]
 
@@ -180,7 +181,7 @@ def check_rounds(sync_every: Any, codec: Any, outer_lr: Any, overlap: Any = 0) -
     if codec not in CODEC_NAMES:
         raise ValueError(f"codec must be one of {', '.join(CODEC_NAMES)}, got {codec!r:.40}")
     check_field("overlap", overlap)
-    if overlap and (overlap > sync_every or sync_every == 1):
+    if not overlap_fits(sync_every, overlap):
         raise ValueError(f"overlap must be at most sync_every ({sync_every}) and 0 in "
                          f"lockstep, got {overlap}")
 
@@ -190,6 +191,12 @@ def check_compute(compute: Any) -> None:
     if compute not in COMPUTE_NAMES:
         raise ValueError(f"compute must be one of {', '.join(COMPUTE_NAMES)}, "
                          f"got {compute!r:.40}")
+
+
+def overlap_fits(sync_every: int, overlap: int) -> bool:
+    """A head start of ``overlap`` steps fits rounds of ``sync_every``: at most the whole
+    round, and none in lockstep."""
+    return not overlap or (overlap <= sync_every and sync_every > 1)
 
 
 def default_overlap(sync_every: int) -> int:

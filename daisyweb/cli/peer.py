@@ -44,6 +44,7 @@ from daisyweb.rules import (
     OWNER_FROM,
     check_heads,
     default_overlap,
+    overlap_fits,
 )
 from signaling.protocol import ROOM_RULE, valid_room  # the server's own room rule
 
@@ -200,7 +201,7 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
             args.compute = DEFAULTS["compute"]
         if args.overlap is None:
             args.overlap = default_overlap(args.sync_every)
-        elif args.overlap and (args.overlap > args.sync_every or args.sync_every == 1):
+        elif not overlap_fits(args.sync_every, args.overlap):
             parser.error(f"--overlap {args.overlap} must be at most --sync-every "
                          f"{args.sync_every} (and 0 in lockstep)")
         try:
