@@ -157,19 +157,25 @@ def _records(p: Peer) -> list[dict]:
     return records(p.metrics) if p.metrics.exists() else []
 
 
+def _steady(rounds: list[dict], what: str) -> tuple[list[dict], float]:
+    """The steady rounds (not the first two: the start, a join; nor the short last) and
+    the median wall time between their commits: a round that recomputed a dropped head
+    start does not set it."""
+    steady = rounds[2:-1]
+    if len(steady) < 3:
+        raise SystemExit(f"{what}: fewer than 6 rounds with every member")
+    periods = [b["time"] - a["time"] for a, b in zip(steady, steady[1:], strict=False)]
+    return steady, statistics.median(periods)
+
+
 def summarize(mode: str, rate: float | None, n: int, peers: list[Peer], target: float,
               join: bool) -> Result:
     lead = [r for r in _records(peers[0]) if "round" in r]
-    full = [r for r in lead if len(r["roster"]) == n]
-    steady = full[2:-1]  # not the first two (the start, the join) nor the short last
-    if len(steady) < 3:
-        raise SystemExit(f"{mode} {n} peers: fewer than 6 rounds with every member")
+    steady, period = _steady([r for r in lead if len(r["roster"]) == n], f"{mode} {n} peers")
     batch = int(DEFAULTS["batch"])
     tokens = sum((b["step"] - a["step"]) * batch * TOKENS_PER_SEQUENCE * n
                  for a, b in zip(steady, steady[1:], strict=False))
-    periods = [b["time"] - a["time"] for a, b in zip(steady, steady[1:], strict=False)]
-    # the median round: a round that recomputed a dropped head start does not set it
-    tps = tokens / len(periods) / statistics.median(periods)
+    tps = tokens / (len(steady) - 1) / period
     reached = next((r["time"] for r in lead if r.get("heldout_loss", 99.0) <= target), None)
     sent = []
     for p in peers:
@@ -202,11 +208,9 @@ def one_peer(out: Path) -> tuple[float, float, float]:
         [p] = run_group(1, ["--overlap", "0"], server, [[]], ["127.0.0.1"], out / "one",
                         join=False, env=ENV)
     recs = [r for r in _records(p) if "round" in r]
-    steady = recs[2:-1]  # as for a group
-    periods = [b["time"] - a["time"] for a, b in zip(steady, steady[1:], strict=False)]
+    _, period = _steady(recs, "one peer")
     tokens = int(DEFAULTS["sync_every"]) * int(DEFAULTS["batch"]) * TOKENS_PER_SEQUENCE
-    return (tokens / statistics.median(periods), recs[-1]["heldout_loss"],
-            recs[-1]["time"] - p.started)
+    return tokens / period, recs[-1]["heldout_loss"], recs[-1]["time"] - p.started
 
 
 def shaped(n: int, mode: str, rate: float | None, out: Path, target: float,
