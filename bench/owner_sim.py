@@ -20,7 +20,6 @@ import time
 
 from bench._results import machine, write_section
 from bench.rounds_sim import simulate
-from daisyweb.training.rounds import round_count
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -33,7 +32,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--no-write", action="store_true", help="print only")
     a = ap.parse_args(argv)
     sizes = [int(x) for x in a.peers.split(",")]
-    rounds = round_count(a.steps, a.sync_every)
+    rounds = -(-a.steps // a.sync_every)
     rows = []
     started = time.strftime("%Y-%m-%d %H:%M")
     for n in sizes:

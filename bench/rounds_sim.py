@@ -29,7 +29,7 @@ from daisyweb.protocol.owners import (
 )
 from daisyweb.training.config import DEFAULTS, RunConfig
 from daisyweb.training.evaluate import heldout_batches, heldout_loss
-from daisyweb.training.rounds import LockstepTrainer, RoundTrainer, round_count
+from daisyweb.training.rounds import LockstepTrainer, RoundTrainer, grid_lengths
 from daisyweb.training.state import TrainState
 
 
@@ -93,7 +93,8 @@ def simulate(peers: int, steps: int, sync_every: int = 1, codec: str = "f32",
     mean_encoders = {p: MeanEncoder(decoder, trainers[p].size) for p in names}
     lead = trainers[names[0]]
     res.curve.append((0, evaluate(lead.state.params)))
-    rounds = round_count(steps, sync_every)
+    lengths = grid_lengths(-(-steps // sync_every), steps, sync_every)
+    rounds = len(lengths)
     next_eval = eval_every
     t0 = time.perf_counter()
     previous: dict[str, object] = {}
@@ -110,9 +111,9 @@ def simulate(peers: int, steps: int, sync_every: int = 1, codec: str = "f32",
             if overlap and p in previous and isinstance(trainer, RoundTrainer):
                 # As a peer does while round r-1's exchange is in flight (same maths;
                 # here the anchor is already known, which the head start does not use).
-                head = trainer.head_start(r, batch, previous[p], overlap)
-            c = (trainer.contribute(r, batch, head) if isinstance(trainer, RoundTrainer)
-                 else trainer.contribute(r, batch))
+                head = trainer.head_start(r, batch, previous[p], min(overlap, lengths[r]))
+            c = (trainer.contribute(r, batch, lengths[r], head)
+                 if isinstance(trainer, RoundTrainer) else trainer.contribute(r, batch))
             previous[p] = c
             trainer.stage(c)
             vector = c.vector

@@ -20,6 +20,7 @@
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import math
 import statistics
@@ -181,9 +182,10 @@ def boundary_losses(recs: list[dict], ckpt_path: Path, dumps: Path) -> list[floa
             yield roster, {p: np.load(dumps / f"{p}-{r['round'] - 1}.npy") for p in roster}
 
     losses = []
+    steps = [0, *(int(r["step"]) for r in recs)]
+    lengths = [b - a for a, b in itertools.pairwise(steps)]
     anchors = round_anchors(init_params(run.model, run.seed), contributions(),
-                            sync_every=run.sync_every, total_steps=run.steps,
-                            outer_lr=run.outer_lr)
+                            lengths=lengths, outer_lr=run.outer_lr)
     for r, (rounds, inner, anchor) in zip(recs, anchors, strict=True):
         if shared_hash(anchor, rounds, inner) != r["weight_hash"]:
             raise SystemExit(f"round {r['round']}: the rebuilt shared weights do not "

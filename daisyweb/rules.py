@@ -43,7 +43,9 @@ __all__ = [
     "check_run",
     "check_rounds",
     "default_overlap",
+    "default_sync_max",
     "overlap_fits",
+    "rounds_fit",
     "is_lower_hex",
 ]
 
@@ -61,13 +63,17 @@ DEFAULTS: MappingProxyType[str, int | float | str] = MappingProxyType({
     # most the whole round (training.overlap): on a 1 MB/s uplink that makes two peers
     # 1.6x one machine where a fixed 2-step head start made them 1.1x (bench.links).
     "sync_every": 16, "codec": "int2", "outer_lr": 1.0,
-    "overlap": 16,
+    "overlap": 64,
+    # The leader lengthens rounds up to this many steps when the slowest exchange takes
+    # longer than a round's compute (protocol.pace); at most 4x the shortest by default.
+    "sync_max": 64,
     # Every forward GEMM through the verified int8 kernels; "float": plain float32 GEMMs
     # (replicas stay identical either way: only the exchanged bytes must agree).
     "compute": "int8",
 })
 # The exchange of a checkpoint that names none: it was trained in lockstep, float32.
-LOCKSTEP = MappingProxyType({"sync_every": 1, "codec": "f32", "outer_lr": 1.0, "overlap": 0})
+LOCKSTEP = MappingProxyType({"sync_every": 1, "codec": "f32", "outer_lr": 1.0, "overlap": 0,
+                             "sync_max": 1})
 
 EXCHANGES = ("auto", "all", "owner")
 OWNER_FROM = 3
@@ -130,10 +136,11 @@ FIELD_RULES: MappingProxyType[str, FieldRule] = MappingProxyType({
     "outer_lr": FieldRule(float, 0.0, MAX_LR, f"a positive number up to {MAX_LR:g}",
                           lo_open=True),
     "overlap": FieldRule(int, 0, MAX_SYNC_EVERY, "an integer >= 0"),
+    "sync_max": FieldRule(int, 1, MAX_SYNC_EVERY, "a positive integer"),
 })
 MODEL_FIELDS = ("vocab", "width", "layers", "heads", "seq")
 RUN_FIELDS = ("batch", "steps", "lr", "seed", "data")
-ROUND_FIELDS = ("sync_every", "codec", "outer_lr", "overlap")
+ROUND_FIELDS = ("sync_every", "codec", "outer_lr", "overlap", "sync_max")
 
 
 def check_field(name: str, value: Any, prefix: str = "") -> Any:
@@ -173,16 +180,22 @@ def check_run(batch: Any, steps: Any, lr: Any, seed: Any, data: Any) -> None:
                          f"got {data!r:.80}")
 
 
-def check_rounds(sync_every: Any, codec: Any, outer_lr: Any, overlap: Any = 0) -> None:
-    """How members exchange: every ``sync_every`` steps, through ``codec``, outer step size,
-    and how many of a round's steps run while the previous exchange is in flight."""
+def check_rounds(sync_every: Any, codec: Any, outer_lr: Any, overlap: Any = 0,
+                 sync_max: Any = None) -> None:
+    """How members exchange: every ``sync_every`` to ``sync_max`` steps (None: exactly
+    ``sync_every``), through ``codec``, outer step size, and how many of a round's steps
+    run while the previous exchange is in flight."""
     check_field("sync_every", sync_every)
     check_field("outer_lr", outer_lr)
     if codec not in CODEC_NAMES:
         raise ValueError(f"codec must be one of {', '.join(CODEC_NAMES)}, got {codec!r:.40}")
+    longest = sync_every if sync_max is None else check_field("sync_max", sync_max)
+    if not rounds_fit(sync_every, longest):
+        raise ValueError(f"sync_max must be at least sync_every ({sync_every}) and 1 in "
+                         f"lockstep, got {sync_max}")
     check_field("overlap", overlap)
-    if not overlap_fits(sync_every, overlap):
-        raise ValueError(f"overlap must be at most sync_every ({sync_every}) and 0 in "
+    if not overlap_fits(longest, overlap):
+        raise ValueError(f"overlap must be at most sync_max ({longest}) and 0 in "
                          f"lockstep, got {overlap}")
 
 
@@ -193,16 +206,28 @@ def check_compute(compute: Any) -> None:
                          f"got {compute!r:.40}")
 
 
-def overlap_fits(sync_every: int, overlap: int) -> bool:
-    """A head start of ``overlap`` steps fits rounds of ``sync_every``: at most the whole
-    round, and none in lockstep."""
-    return not overlap or (overlap <= sync_every and sync_every > 1)
+def rounds_fit(sync_every: int, sync_max: int) -> bool:
+    """Rounds of ``sync_every`` to ``sync_max`` steps: the longest at least the shortest,
+    and exactly one step in lockstep."""
+    return sync_max == 1 if sync_every == 1 else sync_max >= sync_every
 
 
-def default_overlap(sync_every: int) -> int:
-    """The overlap a run gets when it names none: its whole round (the group runs ahead
+def overlap_fits(sync_max: int, overlap: int) -> bool:
+    """A head start of ``overlap`` steps fits rounds of at most ``sync_max``: at most the
+    longest round, and none in lockstep."""
+    return not overlap or (overlap <= sync_max and sync_max > 1)
+
+
+def default_sync_max(sync_every: int) -> int:
+    """The longest round a run gets when it names none: four times its shortest (the
+    leader lengthens rounds only when a link needs it, ``protocol.pace``); 1 in lockstep."""
+    return min(4 * sync_every, MAX_SYNC_EVERY) if sync_every > 1 else 1
+
+
+def default_overlap(sync_max: int) -> int:
+    """The overlap a run gets when it names none: its longest round (the group runs ahead
     only as far as its link needs, ``training.overlap``); none in lockstep."""
-    return sync_every if sync_every > 1 else 0
+    return sync_max if sync_max > 1 else 0
 
 
 _LOWER_HEX = re.compile(r"[0-9a-f]+")

@@ -162,6 +162,11 @@ def _status_extras(msg: dict) -> dict[str, Any]:
         out["mode"] = _text(msg, "mode", MAX_MODE_CHARS)
     if "round" in msg:
         out["round"] = _int_in(msg, "round", 0, MAX_STEP)
+    # the inner steps of the last round, and the most a member's exchange took: why the
+    # leader made it that long (daisyweb.protocol.pace)
+    for name in ("round_steps", "exchange_steps"):
+        if name in msg:
+            out[name] = _int_in(msg, name, 0, MAX_STEP)
     if "transport" in msg:  # the peer's WebRTC implementation
         transport = _field(msg, "transport", (str,), "a string")
         if transport not in TRANSPORTS:

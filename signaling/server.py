@@ -74,7 +74,8 @@ RATE_BURST = 100.0
 MAX_PER_ADDRESS = 32
 # Report fields a peer sends only now and then (held-out loss at --eval-every boundaries,
 # the round fields not in the final report): a later report without them keeps the last.
-STICKY_FIELDS = ("mode", "round", "comm_share", "heldout_loss", "heldout_step", "transport")
+STICKY_FIELDS = ("mode", "round", "round_steps", "exchange_steps", "comm_share",
+                 "heldout_loss", "heldout_step", "transport")
 # The pool fields a final report may leave out: kept like the above. Links are
 # not: a report without them means no link is up.
 POOL_STICKY_FIELDS = ("machine", "cpu", "cores", "ram_mb", "backend", "share",

@@ -177,13 +177,19 @@ function roundFields(reports) {
   const rs = Object.values(reports);
   const modes = [...new Set(rs.map((r) => r.mode).filter((m) => typeof m === "string"))];
   const rounds = rs.map((r) => r.round).filter(isNum);
+  // The newest round's length, and the slowest exchange it was chosen for (the leader
+  // names the shortest round within the run's bounds whose compute covers it).
+  const paced = rs.filter((r) => isNum(r.round) && isNum(r.round_steps))
+    .sort((a, b) => b.round - a.round)[0];
+  const pace = paced ? " · " + paced.round_steps + " steps" +
+    (isNum(paced.exchange_steps) ? " (exchange " + paced.exchange_steps + ")" : "") : "";
   const shares = rs.map((r) => r.comm_share).filter(isNum);
   const evals = rs.filter((r) => isNum(r.heldout_loss))
     .sort((a, b) => (b.heldout_step ?? b.step) - (a.heldout_step ?? a.step));
   const newest = evals[0];
   return {
     mode: modes.length ? modes.map((m) => clip(m, MAX_FIELD)).join(", ") : "–",
-    round: rounds.length ? String(Math.max(...rounds)) : "–",
+    round: rounds.length ? String(Math.max(...rounds)) + pace : "–",
     comm: shares.length ? pct(shares.reduce((s, x) => s + x, 0) / shares.length) : "–",
     heldout: newest ? fmt(newest.heldout_loss, 4) +
       (isNum(newest.heldout_step) ? " (step " + newest.heldout_step + ")" : "") : "–",

@@ -58,9 +58,12 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--codec", choices=CODEC_NAMES,
                    help=f"what peers exchange (default {DEFAULTS['codec']})")
     p.add_argument("--outer-lr", type=float, help=f"default {DEFAULTS['outer_lr']}")
+    p.add_argument("--sync-max", type=int, metavar="H",
+                   help="the longest round the leader may make when a slow link needs it "
+                        f"(default {DEFAULTS['sync_max']}: 4x --sync-every)")
     p.add_argument("--overlap", type=int, metavar="K",
                    help="steps of each round run while the last exchange is in flight "
-                        f"(default {DEFAULTS['overlap']}; at most --sync-every: the whole "
+                        f"(default {DEFAULTS['overlap']}; at most --sync-max: the whole "
                         "round, the group's update applied a round later)")
     p.add_argument("--compute", choices=COMPUTE_NAMES,
                    help="the forward GEMMs: the verified int8 kernels or plain float32 "
@@ -90,7 +93,7 @@ def _run_config(args: argparse.Namespace, parser: argparse.ArgumentParser) -> Ru
                           seq=args.seq, batch=args.batch, steps=args.steps, lr=args.lr,
                           seed=args.seed, data="builtin", sync_every=args.sync_every,
                           codec=args.codec, outer_lr=args.outer_lr, overlap=args.overlap,
-                          compute=args.compute)
+                          compute=args.compute, sync_max=args.sync_max)
     except ValueError as exc:
         parser.error(str(exc))
         raise  # unreachable: parser.error exits
@@ -235,6 +238,7 @@ def peer_commands(args: argparse.Namespace, run: RunConfig, server: str,
         "--batch", str(run.batch), "--steps", str(run.steps), "--lr", repr(run.lr),
         "--seed", str(run.seed), "--sync-every", str(run.sync_every), "--codec", run.codec,
         "--outer-lr", repr(run.outer_lr), "--overlap", str(run.overlap),
+        "--sync-max", str(run.sync_max),
         "--compute", run.compute, "--capacity", args.capacity]
     if args.save:
         leader += ["--save", args.save]

@@ -44,7 +44,9 @@ from daisyweb.rules import (
     OWNER_FROM,
     check_heads,
     default_overlap,
+    default_sync_max,
     overlap_fits,
+    rounds_fit,
 )
 from signaling.protocol import ROOM_RULE, valid_room  # the server's own room rule
 
@@ -54,7 +56,7 @@ __all__ = ["DEFAULTS", "build_parser", "parse_args", "main"]
 
 PROG = "daisyweb-peer"
 _MODEL_FLAGS = ("width", "layers", "heads", "seq", "batch", "steps", "lr", "seed",
-                "sync_every", "outer_lr", "overlap")
+                "sync_every", "sync_max", "outer_lr", "overlap")
 _RUN_FLAGS = (*_MODEL_FLAGS, "codec", "compute")
 
 
@@ -195,15 +197,21 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     check_ice_flags(parser, args)
     if args.start and not args.resume:
         for f in _MODEL_FLAGS:
-            if getattr(args, f) is None and f != "overlap":  # overlap: within the round
+            # sync_max and overlap: within the run's rounds, below
+            if getattr(args, f) is None and f not in ("sync_max", "overlap"):
                 setattr(args, f, DEFAULTS[f])
         if args.compute is None:
             args.compute = DEFAULTS["compute"]
+        if args.sync_max is None:
+            args.sync_max = default_sync_max(args.sync_every)
+        elif not rounds_fit(args.sync_every, args.sync_max):
+            parser.error(f"--sync-max {args.sync_max} must be at least --sync-every "
+                         f"{args.sync_every} (and 1 in lockstep)")
         if args.overlap is None:
-            args.overlap = default_overlap(args.sync_every)
-        elif not overlap_fits(args.sync_every, args.overlap):
-            parser.error(f"--overlap {args.overlap} must be at most --sync-every "
-                         f"{args.sync_every} (and 0 in lockstep)")
+            args.overlap = default_overlap(args.sync_max)
+        elif not overlap_fits(args.sync_max, args.overlap):
+            parser.error(f"--overlap {args.overlap} must be at most --sync-max "
+                         f"{args.sync_max} (and 0 in lockstep)")
         try:
             check_heads(args.width, args.heads)
         except ValueError:

@@ -43,7 +43,7 @@ from daisyweb.peer.datafeed import DataFeed
 from daisyweb.peer.exchange import (
     RecordingEncoder,
     Trainer,
-    exchange_count,
+    bounds,
     make_trainer,
     mode,
     unit,
@@ -241,14 +241,14 @@ class Driver:
     def _machine(self, leader: str, term: int = 0) -> sync.StepMachine:
         assert self.state is not None and self.replica is not None
         self.machine = sync.StepMachine(
-            self.mesh.self_id, self.replica, exchange_count(self.state.run), probe_hash,
+            self.mesh.self_id, self.replica, self.state.run.steps, probe_hash,
             leader=leader, repair_after=self.opts.repair_after,
             join_timeout=self.opts.join_timeout, version=self.version, codec=self.encoder,
             # Capacity-weighted batches are the leader's choice; a follower learns the
             # mode from the rosters it is sent.
             capacity=self.opts.start and self.opts.capacity, batch=self.state.run.batch,
             archive=SpillArchive(), term=term, unit=unit(self.state.run),
-            inner_steps=self.state.run.sync_every, exchange=self.opts.exchange)
+            bounds=bounds(self.state.run), exchange=self.opts.exchange)
         self._name_ahead()
         return self.machine
 
@@ -286,7 +286,7 @@ class Driver:
             send=self._send, connected=lambda: self.outboxes.connected)
         self.state = state = start.state
         try:
-            self._make_replica(state)
+            self._make_replica(state, start.boundary)
         except ValueError as exc:
             raise PeerError(1, f"refused the snapshot from {start.leader}: {exc}") from None
         await self._make_feed()
@@ -298,11 +298,11 @@ class Driver:
         for item in start.held:
             await self._handle(item)
 
-    def _make_replica(self, state: TrainState) -> None:
+    def _make_replica(self, state: TrainState, boundary: int | None = None) -> None:
         largest = budget.largest_message(state.size)  # the run is known: bound every link
         self.mesh.limit_messages(largest, budget.link_budget(state.size))
         keep_step_buffers(state.size)  # the step's temporaries stay on the heap
-        self.trainer = make_trainer(state)
+        self.trainer = make_trainer(state, boundary)
         self.replica = self.trainer  # a trainer is the step machine's replica
         self.encoder = RecordingEncoder(state.run.codec, state.size)
 
@@ -420,7 +420,7 @@ class Driver:
         if item.secs > 0 and item.sequences:
             m.speed = item.sequences / item.secs  # published with our next hashes
         self.trainer.stage(contribution)
-        self.overlap.ready(step, now, item.secs, self.trainer.steps_in(step))
+        self.overlap.ready(step, now, item.secs, contribution.steps)
         current = not m.done and step == m.boundary
         actions = m.local_contribution(step, contribution.loss, contribution.vector, now)
         await self._do(actions)
@@ -433,12 +433,14 @@ class Driver:
         """Start round ``index``'s first steps while this exchange is in flight: as many as
         the last round's roster says (``wire.Roster.ahead``), within the run's overlap."""
         assert self.state is not None
-        if (not isinstance(self.trainer, RoundTrainer) or index >= m.total_steps
-                or self.head is not None):
+        if not isinstance(self.trainer, RoundTrainer) or self.head is not None \
+                or previous.inner is None:
             return
         trainer = self.trainer
         named = self.ahead[1] if self.ahead[0] == index - 1 else 0
-        steps = min(named, self.state.run.overlap, trainer.steps_in(index))
+        # round index starts where our contribution to the one before it ended
+        remaining = self.state.run.steps - int(previous.inner["step"])
+        steps = m.bounds.head_start(named, remaining)
         if steps <= 0:
             return
         t0 = time.perf_counter()
@@ -465,7 +467,7 @@ class Driver:
     def _name_ahead(self) -> None:
         run = self.state.run if self.state is not None else None
         if self.machine is not None and run is not None and run.sync_every > 1:
-            self.machine.ahead = self.overlap.steps(run.overlap, run.sync_every)
+            self.machine.ahead = self.overlap.steps(run.sync_max)
 
     async def _take_head(self, step: int, rows: int) -> HeadStart | None:
         """The head start of round ``step`` if one was computed over ``rows`` sequences a
@@ -520,7 +522,8 @@ class Driver:
             elif isinstance(a, sync.Compute):
                 self.report.computing(a.step)
                 self.ahead = (a.step, a.ahead)  # the next round's head start, as named
-                self.tasks.append(asyncio.create_task(self._compute(a.step, a.sequences)))
+                self.tasks.append(asyncio.create_task(self._compute(a.step, a.length,
+                                                                    a.sequences)))
             elif isinstance(a, sync.Commit):
                 self.plan = None  # the boundary moved (or a rollback recommitted)
                 self._measure_overlap(a.step, time.monotonic())
@@ -529,7 +532,7 @@ class Driver:
                         f"{', '.join(a.clipped)} to {CLIP_FACTOR:g}x the median norm")
                 assert self.state is not None and self.machine is not None
                 await self.report.commit(a, self.trainer, self.state, self.encoder,
-                                         self.machine.total_steps, self.mesh)
+                                         self.mesh)
             elif isinstance(a, sync.SendSnapshot):
                 self._send_snapshot(a.peer, a.step, a.holders)
             elif isinstance(a, sync.Excluded):
@@ -559,16 +562,16 @@ class Driver:
             if p in self.hello_from:
                 await self._do(m.peer_up(p, now))
 
-    async def _compute(self, step: int, sequences: int = 0) -> None:
+    async def _compute(self, step: int, length: int, sequences: int = 0) -> None:
         generation = self.generation
         loop = asyncio.get_running_loop()
         n = sequences or self.feed.run.batch  # our share of each inner step's sequences
         self.rows = n  # a head start of the next round draws as many (--overlap)
         head = await self._take_head(step, n)
         t0 = time.perf_counter()
-        compute = self.trainer.contribute
+        compute = functools.partial(self.trainer.contribute, steps=length)
         if head is not None:
-            compute = functools.partial(self.trainer.contribute, head=head)
+            compute = functools.partial(compute, head=head)
         try:
             contribution = await loop.run_in_executor(None, compute, step,
                                                       self._batch_fn(n))
@@ -580,7 +583,7 @@ class Driver:
         secs = time.perf_counter() - t0 + self.report.head_secs(step if head else None)
         # Sequences per second of this contribution: the leader's next shares use it.
         await self.queue.put(ContributionReady(step, contribution, secs,
-                                               n * self.trainer.steps_in(step), generation))
+                                               n * contribution.steps, generation))
 
     def _batch_fn(self, rows: int) -> BatchFn:
         """The batches of a share of ``rows`` sequences per inner step."""

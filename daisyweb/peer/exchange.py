@@ -7,21 +7,30 @@ import numpy as np
 
 from daisyweb.protocol.averaging import Parts
 from daisyweb.protocol.codec import Codec, check_payload, codec_by_name, decode_parts
+from daisyweb.protocol.pace import LOCKSTEP, Bounds
 from daisyweb.training.config import RunConfig
-from daisyweb.training.rounds import LockstepTrainer, RoundTrainer, round_count
+from daisyweb.training.rounds import LockstepTrainer, RoundTrainer
 from daisyweb.training.state import TrainState
 
-__all__ = ["RecordingEncoder", "Trainer", "exchange_count", "make_trainer", "mode", "unit"]
+__all__ = ["RecordingEncoder", "Trainer", "bounds", "make_trainer", "mode", "unit"]
 
 Trainer = LockstepTrainer | RoundTrainer
 
 
-def make_trainer(state: TrainState) -> Trainer:
-    """Lockstep for ``sync_every == 1``, rounds of local steps otherwise."""
+def make_trainer(state: TrainState, rounds_done: int | None = None) -> Trainer:
+    """Lockstep for ``sync_every == 1``, rounds of local steps otherwise (``rounds_done``:
+    the group's round count at the state, when it is known)."""
     run = state.run
     if run.sync_every == 1:
         return LockstepTrainer(state)
-    return RoundTrainer(state, run.sync_every, run.outer_lr)
+    return RoundTrainer(state, run.sync_every, run.outer_lr, rounds_done)
+
+
+def bounds(run: RunConfig) -> Bounds:
+    """The run's round lengths and head start, as the leader's rosters name them."""
+    if run.sync_every == 1:
+        return LOCKSTEP
+    return Bounds(run.sync_every, run.sync_max, run.overlap)
 
 
 class RecordingEncoder:
@@ -50,18 +59,15 @@ class RecordingEncoder:
 
 
 def mode(run: RunConfig) -> str:
-    """The exchange mode as shown to users: ``lockstep f32`` or ``rounds H=16 int8``."""
+    """The exchange mode as shown to users: ``lockstep f32``, ``rounds H=16 int8`` or,
+    when the leader may lengthen rounds, ``rounds H=16-64 int2``."""
     if run.sync_every == 1:
         return f"lockstep {run.codec}"
-    return f"rounds H={run.sync_every} {run.codec}"
+    h = str(run.sync_every) if run.sync_max == run.sync_every \
+        else f"{run.sync_every}-{run.sync_max}"
+    return f"rounds H={h} {run.codec}"
 
 
 def unit(run: RunConfig) -> str:
     """What one step of the step machine is, in words: ``step`` or ``round``."""
     return "step" if run.sync_every == 1 else "round"
-
-
-def exchange_count(run: RunConfig) -> int:
-    """The run's exchanges, i.e. the step machine's steps it counts to: its optimizer
-    steps in lockstep, its rounds otherwise."""
-    return run.steps if run.sync_every == 1 else round_count(run.steps, run.sync_every)

@@ -58,7 +58,7 @@ def tokenizer_info() -> tuple[Tokenizer, TokenizerInfo]:
 # What a --resume takes from the checkpoint; a flag that contradicts it is refused.
 # The step budget (--steps) and the saving flags stay the user's.
 _FROM_CHECKPOINT = ("width", "layers", "heads", "seq", "batch", "lr", "seed", "sync_every",
-                    "codec", "outer_lr", "overlap", "compute")
+                    "sync_max", "codec", "outer_lr", "overlap", "compute")
 
 
 def leader_state(opts: PeerOptions, tokinfo: TokenizerInfo) -> TrainState:
@@ -70,7 +70,7 @@ def leader_state(opts: PeerOptions, tokinfo: TokenizerInfo) -> TrainState:
         run = run_config(tokinfo.vocab_size, **m, batch=opts.batch, steps=opts.steps,
                          lr=opts.lr, seed=opts.seed, data="server",
                          sync_every=opts.sync_every, codec=opts.codec, outer_lr=opts.outer_lr,
-                         overlap=opts.overlap, compute=opts.compute)
+                         overlap=opts.overlap, compute=opts.compute, sync_max=opts.sync_max)
     except (TypeError, ValueError) as exc:
         reason = str(exc).removeprefix("bad run config: ")
         raise PeerError(2, f"bad run config: {reason}") from None
@@ -79,7 +79,7 @@ def leader_state(opts: PeerOptions, tokinfo: TokenizerInfo) -> TrainState:
 
 def _resumed_state(opts: PeerOptions, tokinfo: TokenizerInfo) -> TrainState:
     """The checkpoint decides the model, tokenizer, optimizer state and seed; ``--steps``
-    sets the budget, so a finished run trains on (``rounds.round_length``)."""
+    sets the budget, so a finished run trains on."""
     assert opts.resume is not None
     where = f"--resume {opts.resume}"
     if not Path(opts.resume).is_file():
@@ -207,6 +207,7 @@ class FollowerStart:
     weight_hash: str  # the snapshot's announced (and verified) weight hash
     held: deque[Item]  # everything else that arrived meanwhile, in order
     term: int = 0  # the term the leader declared itself for
+    boundary: int = 0  # the group's step machine boundary (rounds committed) of the state
 
 
 Send = Callable[[tuple[str, ...], wire.Message], None]
@@ -374,4 +375,4 @@ def _checked_start(download: Download, held: deque[Item], term: int) -> Follower
         log(f"took the state of boundary {download.plan.step} ({download.bytes:,} bytes, "
             f"{took:.1f} s) in {download.layout.count} pieces: {served}")
     return FollowerStart(download.leader, download.run, state, download.plan.weight_hash,
-                         held, term)
+                         held, term, download.plan.step)

@@ -36,6 +36,7 @@ class PeerOptions:
     lr: float | None = None
     seed: int | None = None
     sync_every: int | None = None
+    sync_max: int | None = None
     codec: str | None = None
     outer_lr: float | None = None
     overlap: int | None = None
@@ -70,7 +71,8 @@ def options_from_args(args: argparse.Namespace) -> PeerOptions:
     return PeerOptions(
         server=args.server, room=args.room, name=args.name, approve=args.approve,
         start=args.start, model=model, batch=args.batch, steps=args.steps, lr=args.lr,
-        seed=args.seed, sync_every=args.sync_every, codec=args.codec, outer_lr=args.outer_lr,
+        seed=args.seed, sync_every=args.sync_every, sync_max=args.sync_max, codec=args.codec,
+        outer_lr=args.outer_lr,
         overlap=args.overlap, compute=args.compute, capacity=args.capacity != "off",
         exchange=args.exchange,
         resume=args.resume, save=args.save, save_every=args.save_every,

@@ -264,7 +264,8 @@ class Download:
         return out
 
     def _matches(self, state: TrainState) -> bool:
-        trainer = make_trainer(state)
+        # the plan's boundary is the group's round count (rounds vary in length)
+        trainer = make_trainer(state, self.plan.step)
         return trainer.step == self.plan.step and trainer.weight_hash() == self.plan.weight_hash
 
     def state(self) -> TrainState:

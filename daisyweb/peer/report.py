@@ -32,7 +32,18 @@ from daisyweb.training.metrics import (
 from daisyweb.training.state import TrainState
 from signaling.protocol import MAX_ETA_S, MAX_LINKS, MAX_RTT_MS
 
-__all__ = ["Report", "StatusSink", "peak_rss_bytes"]
+__all__ = ["Report", "StatusSink", "peak_rss_bytes", "round_note"]
+
+
+def round_note(c: sync.Commit, remaining: int, shortest: int) -> str:
+    """A committed round on the progress line: its number of the run's (as many more
+    as the rest takes at this length), and when the leader lengthened it past the
+    shortest, why: ``round 5/9  32 steps (exchange 27)``."""
+    rounds = c.step + 1 + (-(-remaining // c.length) if c.length else 0)
+    note = f"round {c.step + 1}/{rounds}"
+    if c.length > shortest:
+        note += f"  {c.length} steps (exchange {c.need})"
+    return note
 
 
 def peak_rss_bytes() -> int:
@@ -121,13 +132,13 @@ class Report:
         self.ready_at[step] = now
 
     async def commit(self, c: sync.Commit, trainer: Trainer, state: TrainState,
-                     encoder: RecordingEncoder, total: int, status: StatusSink) -> None:
+                     encoder: RecordingEncoder, status: StatusSink) -> None:
         """One committed step or round: progress, a metrics record, maybe a save."""
         assert self.progress is not None
         now = time.monotonic()
         run = state.run
         done = trainer.inner_steps
-        inner = trainer.steps_in(c.step)
+        inner = c.length
         tokens = run.batch * run.model.seq * len(c.roster) * inner
         t0 = self.step_t0.pop(c.step, now)
         ready = self.ready_at.pop(c.step, now)
@@ -142,7 +153,7 @@ class Report:
         loss = c.loss if c.loss is not None else math.nan
         note = f"{mode(run)}{' owners' if c.owners else ''}  comm {comm_share:.0%}"
         if run.sync_every > 1:
-            note = f"round {c.step + 1}/{total}  " + note
+            note = f"{round_note(c, run.steps - done, run.sync_every)}  " + note
         if head_steps:  # this round's first steps, taken while the last one's bytes crossed
             note += f"  ahead {head_steps}/{inner}"
         if c.rollback:
@@ -161,6 +172,7 @@ class Report:
             "compute_s": compute_s, "wall_s": wall_s, "comm_share": comm_share,
             "mode": mode(run), "sync_every": run.sync_every, "codec": run.codec,
             "round": c.step + 1, "bytes_sent": encoder.bytes_sent, "head_steps": head_steps,
+            "round_steps": inner, "exchange_steps": c.need,
             "transport": self.opts.transport,
             "share": pool["share"], "peer_tokens_per_s": pool["peer_tokens_per_s"],
         }
@@ -202,6 +214,7 @@ class Report:
                 hash=c.weight_hash[:16], peers=len(c.roster),
                 tokens_per_s=float(tokens_per_s), probe=c.probe_hash[:16], state="training",
                 mode=mode(run), round=c.step + 1, **self._transport(), **pool,
+                **({"round_steps": inner, "exchange_steps": c.need} if run.rounds else {}),
                 comm_share=min(max(comm_share, 0.0), 1.0),  # the server refuses outside 0..1
                 # Every report, not just the evaluated one: the client coalesces reports
                 # (the latest wins), which would otherwise drop it in a fast run.

@@ -40,6 +40,11 @@ class Replica(Protocol):
     def step(self) -> int: ...
 
     @property
+    def inner_steps(self) -> int:
+        """Optimizer steps committed (``step`` in lockstep; a round counts its length)."""
+        ...
+
+    @property
     def size(self) -> int: ...
 
     def apply(self, average: np.ndarray, *, owned: bool = False) -> None:
@@ -64,13 +69,14 @@ class Compute:
     ``StepMachine.local_contribution``.
 
     ``sequences`` is this member's share of the step's sequences (0: the run's batch);
-    ``ahead``: the steps of the next round to take while this one's exchange is in
-    flight (the roster's ``ahead``).
+    ``length``: the round's inner steps (1 in lockstep); ``ahead``: the steps of the next
+    round to take while this one's exchange is in flight (``protocol.pace``).
     """
 
     step: int
     sequences: int = 0
     ahead: int = 0
+    length: int = 1
 
 
 @dataclass(frozen=True)
@@ -90,6 +96,8 @@ class Commit:
     shares: tuple[int, ...] = ()  # sequences per roster member (empty: equal batches)
     clipped: tuple[str, ...] = ()  # members whose contribution was scaled to the bound
     owners: tuple[str, ...] = ()  # who reduced each part (the owner exchange; else empty)
+    length: int = 1  # the round's inner steps (1 in lockstep)
+    need: int = 0  # rounds: the most steps a member's exchange took (``protocol.pace``)
 
 
 @dataclass(frozen=True)

@@ -1,10 +1,12 @@
 """A round's deadline, fitted to the group's own round times.
 
 The leader measures every committed round: the seconds from naming its roster to the
-arrival of the last contribution. The deadline of the next round is the larger of
-``FLOOR_S``, ``MEDIAN_FACTOR`` times the median of the last ``WINDOW`` rounds and the
-median plus ``MAD_FACTOR`` median absolute deviations; until ``MIN_SAMPLES`` rounds are
-measured it is ``FIRST_S`` (the first rounds warm up: kernel gates, a joiner's start).
+arrival of the last contribution, per inner step of the round (the leader names rounds
+of different lengths, ``protocol.pace``). The deadline of the next round is its steps
+times the larger of ``MEDIAN_FACTOR`` times the median of the last ``WINDOW`` rounds and
+the median plus ``MAD_FACTOR`` median absolute deviations, never less than ``FLOOR_S``;
+until ``MIN_SAMPLES`` rounds are measured it is ``FIRST_S`` (the first rounds warm up:
+kernel gates, a joiner's start).
 A member whose contribution has not arrived by then is left out of that round (the
 roster is amended without it; it commits the others' mean like everyone); one that
 misses ``MAX_MISSES`` rounds in a row is dropped from the group. A slow honest member
@@ -35,17 +37,20 @@ class Deadline:
         self._times: deque[float] = deque(maxlen=WINDOW)
         self.misses: dict[str, int] = {}  # member -> rounds missed in a row
 
-    def record(self, seconds: float) -> None:
-        """A round committed ``seconds`` after its roster was named."""
-        if seconds >= 0.0:
-            self._times.append(seconds)
+    def record(self, seconds: float, steps: int = 1) -> None:
+        """A round of ``steps`` inner steps committed ``seconds`` after its roster was
+        named."""
+        if seconds >= 0.0 and steps > 0:
+            self._times.append(seconds / steps)
 
-    def seconds(self) -> float:
+    def seconds(self, steps: int = 1) -> float:
+        """The deadline of a round of ``steps`` inner steps."""
         if len(self._times) < MIN_SAMPLES:
             return FIRST_S
         median = statistics.median(self._times)
         mad = statistics.median(abs(t - median) for t in self._times)
-        return max(FLOOR_S, MEDIAN_FACTOR * median, median + MAD_FACTOR * mad)
+        return max(FLOOR_S, max(steps, 1) * max(MEDIAN_FACTOR * median,
+                                                median + MAD_FACTOR * mad))
 
     def missed(self, member: str) -> bool:
         """``member`` missed a round: True once it has missed ``MAX_MISSES`` in a row."""

@@ -43,6 +43,7 @@ from daisyweb.protocol.deadline import Deadline
 from daisyweb.protocol.judge import HaltRun, judge
 from daisyweb.protocol.ledger import InFlight
 from daisyweb.protocol.owner_exchange import hand_over
+from daisyweb.protocol.pace import Pace
 
 if TYPE_CHECKING:
     from daisyweb.protocol.sync import StepMachine
@@ -86,9 +87,9 @@ class Leader:
         owners = hand_over(st.owners, dead, members) if st.owners else ()
         out.append(Excluded(dead, why or f"{dead} left before its contribution of "
                                          f"{m.unit} {step} arrived"))
-        roster = wire.Roster(step, members, shares, m.term, owners, st.ahead)
+        roster = _roster(step, members, shares, m.term, owners, st.pace)
         out.append(Send(m.members.others(members), roster))
-        m.set_roster(out, step, members, now, shares, owners, st.ahead)
+        m.set_roster(out, step, members, now, shares, owners, st.pace)
 
     def waits_for(self, st: InFlight, peer: str) -> bool:
         """The step in flight still needs something from ``peer`` that only it has: its
@@ -115,7 +116,7 @@ class Leader:
         st = m.ledger.get(b)
         if st is None or st.roster is None or st.named_at is None:
             return
-        limit = self.deadline.seconds()
+        limit = self.deadline.seconds(m.bounds.length(st.pace.length, m.remaining))
         if now - st.named_at < limit:
             return
         for p in [p for p in st.roster if p != m.self_id and m.members.alive(p)
@@ -183,16 +184,16 @@ class Leader:
             owners = st.owners
             for gone in [p for p in st.roster if p not in members]:  # in roster order
                 owners = hand_over(owners, gone, members) if owners else ()
-            roster = wire.Roster(b, members, shares, m.term, owners, st.ahead)
+            roster = _roster(b, members, shares, m.term, owners, st.pace)
             out.append(Send(m.members.others(members), roster))
-            m.set_roster(out, b, members, now, shares, owners, st.ahead)
+            m.set_roster(out, b, members, now, shares, owners, st.pace)
             self.lead(out, b, now)
             return
         have = m.valid_hashes(b)
         expected = m.members.live_participants()
         if any(p not in have for p in expected):
             return
-        if b < m.total_steps:
+        if not m.run_over:
             # Joiners get a snapshot of this boundary before its roster is named.
             # Every member whose hash is ours holds the boundary: each serves a share of
             # the pieces.
@@ -218,7 +219,7 @@ class Leader:
         if not self._judge(out, b, have, expected, joiners):
             return
         m.members.admit(joiners)
-        if b >= m.total_steps:
+        if m.run_over:
             m.finish_run(out, b)
             return
         members = tuple(m.members.live_participants())
@@ -230,11 +231,24 @@ class Leader:
             speeds = bounded_speeds(m.hash_check.book.speeds.get(b, {}), self.observed)
             shares = capacity_shares(members, speeds, m.batch, previous)
         owners = m.owners_for(members)
-        needs = m.hash_check.book.ahead.get(b, {})
-        ahead = max([m.ahead, *(needs.get(p, 0) for p in members)])
+        pace = self.pace(b, members)
         out.append(Send(m.members.others(members),
-                        wire.Roster(b, members, shares, m.term, owners, ahead)))
-        m.set_roster(out, b, members, now, shares, owners, ahead)
+                        _roster(b, members, shares, m.term, owners, pace)))
+        m.set_roster(out, b, members, now, shares, owners, pace)
+
+    def pace(self, b: int, members: tuple[str, ...]) -> Pace:
+        """Round ``b``'s length and the next one's head start (``protocol.pace``): from the
+        most steps any member's last exchange took, never shorter than the head start
+        the last roster had members take of it."""
+        m = self.machine
+        needs = m.hash_check.book.ahead.get(b, {})
+        need = max([m.ahead, *(needs.get(p, 0) for p in members)])
+        last = m.ledger.get(b - 1)
+        # Unknown (we took over without it): as long as any head start may be.
+        named = last.pace.ahead if last is not None and last.roster is not None \
+            else m.bounds.overlap
+        started = m.bounds.head_start(named, m.remaining)
+        return m.bounds.choose(need, started, m.remaining)
 
     def _judge(
         self,
@@ -268,23 +282,23 @@ class Leader:
                 return reason
         return None
 
-    def measure_round(self, st: InFlight) -> None:
-        """At a commit: the round's time (naming the roster to the last arrival: the
-        deadline's sample) and each member's sequences per second as we saw it, network
-        included: what capacity shares may believe of a member's own report
-        (``capacity.bounded_speeds``)."""
+    def measure_round(self, st: InFlight, length: int) -> None:
+        """At a commit of a round of ``length`` inner steps: its time (naming the roster
+        to the last arrival: the deadline's sample) and each member's sequences per
+        second as we saw it, network included: what capacity shares may believe of a
+        member's own report (``capacity.bounded_speeds``)."""
         m = self.machine
         if st.roster is None or st.named_at is None:
             return
         arrivals = [st.arrived[p] for p in st.roster if p in st.arrived]
         if len(arrivals) == len(st.roster):
-            self.deadline.record(max(arrivals) - st.named_at)
+            self.deadline.record(max(arrivals) - st.named_at, length)
         for i, p in enumerate(st.roster):
             self.deadline.made_it(p)
             arrived = st.arrived.get(p)
             if arrived is None:
                 continue  # repaired or relayed: no fact about its speed
-            sequences = (st.shares[i] if st.shares else m.batch) * m.inner_steps
+            sequences = (st.shares[i] if st.shares else m.batch) * length
             self.observed[p] = sequences / max(arrived - st.named_at, 1e-3)
 
     def exclude(self, out: list[Action], b: int, peer: str, reason: str) -> None:
@@ -300,3 +314,8 @@ def _kept_shares(st: InFlight, members: tuple[str, ...]) -> tuple[int, ...]:
     if not st.shares or st.roster is None:
         return ()
     return tuple(st.shares[st.roster.index(p)] for p in members)
+
+
+def _roster(step: int, members: tuple[str, ...], shares: tuple[int, ...], term: int,
+            owners: tuple[str, ...], pace: Pace) -> wire.Roster:
+    return wire.Roster(step, members, shares, term, owners, pace.ahead, pace.length)

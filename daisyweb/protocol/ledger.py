@@ -15,6 +15,7 @@ from dataclasses import dataclass, field
 from typing import Protocol
 
 from daisyweb.protocol import wire
+from daisyweb.protocol.pace import NOT_NAMED, Pace
 
 __all__ = ["Archive", "InFlight", "StepLedger", "HOT_STEPS"]
 
@@ -39,7 +40,7 @@ class InFlight:
 
     roster: tuple[str, ...] | None = None
     shares: tuple[int, ...] = ()  # sequences per roster member (empty: equal batches)
-    ahead: int = 0  # the roster's head start of the next round (``wire.Roster.ahead``)
+    pace: Pace = NOT_NAMED  # the round's length and the next one's head start (``protocol.pace``)
     payloads: dict[str, bytes] = field(default_factory=dict)  # sender -> bytes as received
     unchecked: set[str] = field(default_factory=set)  # arrived before the roster
     own_sent_at: float | None = None

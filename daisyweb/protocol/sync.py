@@ -81,6 +81,7 @@ from daisyweb.protocol.leading import Leader
 from daisyweb.protocol.ledger import Archive, InFlight, StepLedger
 from daisyweb.protocol.membership import Membership, successor
 from daisyweb.protocol.owner_exchange import EXCHANGES, OWNER_FROM, OwnerExchange
+from daisyweb.protocol.pace import LOCKSTEP, NOT_NAMED, Bounds, Pace
 
 __all__ = [
     "Replica",
@@ -141,15 +142,16 @@ class StepMachine:
         term: int = 0,
         election_timeout: float = 10.0,
         unit: str = "step",
-        inner_steps: int = 1,
+        bounds: Bounds = LOCKSTEP,
         exchange: str = "all",
     ) -> None:
         self.self_id = self_id
         self.unit = unit  # what one of our steps is, in the lines we write: step or round
-        self.inner_steps = inner_steps  # optimizer steps in one of ours (a round's H)
+        # The run's round lengths and head start (``protocol.pace``): lockstep's are 1.
+        self.bounds = bounds
         self.version = version  # what this peer speaks (a test hook may change it)
         self.replica = replica
-        self.total_steps = total_steps
+        self.total_steps = total_steps  # the run's optimizer steps (``replica.inner_steps``)
         self.probe = probe
         # Who leads, in which term, confirmed by whom (``election``). The leader a peer
         # starts with is confirmed: the run's starter, or the one a joiner's majority named.
@@ -174,9 +176,9 @@ class StepMachine:
         self.capacity = capacity
         self.batch = batch
         self.speed = 0.0  # the driver's measurement of our last contribution
-        # Steps of the next round this member's last exchange needed to run ahead (the
-        # driver's measurement, published with our hashes); leading, the next roster
-        # names the most any member of it needs (``Roster.ahead``).
+        # Steps of a round this member's last exchange took (the driver's measurement,
+        # published with our hashes); leading, the next roster's pace follows the most
+        # any member of it needs (``protocol.pace``).
         self.ahead = 0
         self.members = Membership(self_id, members)
         self._end: Phase | None = None  # FINISHED or HALTED: every later event is ignored
@@ -224,6 +226,16 @@ class StepMachine:
     @property
     def boundary(self) -> int:
         return self.replica.step
+
+    @property
+    def remaining(self) -> int:
+        """The run's optimizer steps left from our boundary."""
+        return max(0, self.total_steps - self.replica.inner_steps)
+
+    @property
+    def run_over(self) -> bool:
+        """Our boundary is the run's last: every optimizer step of it is committed."""
+        return self.remaining == 0
 
     @property
     def done(self) -> bool:
@@ -625,7 +637,7 @@ class StepMachine:
             if not lead.leading:
                 lead.confirmed = True
                 self._on_roster(out, msg.step, msg.members, now, msg.shares, msg.owners,
-                                msg.ahead)
+                                msg.pace)
             return
         if msg.term == lead.term and lead.confirmed:
             other = self.self_id if lead.leading else lead.leader
@@ -639,7 +651,7 @@ class StepMachine:
         # candidate to it): follow it.
         self._follow(out, peer, msg.term, now)
         lead.confirmed = True
-        self._on_roster(out, msg.step, msg.members, now, msg.shares, msg.owners, msg.ahead)
+        self._on_roster(out, msg.step, msg.members, now, msg.shares, msg.owners, msg.pace)
 
     def _on_hello(self, out: list[Action], peer: str, msg: wire.Hello) -> None:
         if msg.peer_id != peer or msg.version == self.version:
@@ -660,7 +672,7 @@ class StepMachine:
 
     def _on_roster(
         self, out: list[Action], step: int, members: tuple[str, ...], now: float,
-        shares: tuple[int, ...] = (), owners: tuple[str, ...] = (), ahead: int = 0,
+        shares: tuple[int, ...] = (), owners: tuple[str, ...] = (), pace: Pace = NOT_NAMED,
     ) -> None:
         b = self.boundary
         self.members.learn(members)
@@ -684,11 +696,17 @@ class StepMachine:
         if self.self_id not in members:
             self._cut_off(out, f"the group went on without {self.self_id} at {self.unit} {b}")
             return
-        self.set_roster(out, step, members, now, shares, owners, ahead)
+        if pace.length and not self.bounds.shortest <= pace.length <= self.bounds.longest \
+                and pace.length != self.remaining:
+            self.stop_run(out, step, f"the roster of {self.unit} {step} names {pace.length} "
+                                     f"steps, outside the run's {self.bounds.shortest}.."
+                                     f"{self.bounds.longest}", True)
+            return
+        self.set_roster(out, step, members, now, shares, owners, pace)
 
     def set_roster(
         self, out: list[Action], step: int, members: tuple[str, ...], now: float,
-        shares: tuple[int, ...] = (), owners: tuple[str, ...] = (), ahead: int = 0,
+        shares: tuple[int, ...] = (), owners: tuple[str, ...] = (), pace: Pace = NOT_NAMED,
     ) -> None:
         st = self.ledger.open(step)
         old = st.roster
@@ -712,7 +730,7 @@ class StepMachine:
         st.roster = members
         st.shares = shares
         st.owners = owners
-        st.ahead = ahead
+        st.pace = pace
         if st.named_at is None:
             st.named_at = now
         self._last_roster = members
@@ -733,7 +751,8 @@ class StepMachine:
         if self.self_id in members and self.self_id not in st.payloads and not st.computing:
             st.computing = True
             mine = shares[members.index(self.self_id)] if shares else 0
-            out.append(Compute(step, mine, ahead))
+            out.append(Compute(step, mine, pace.ahead, self.bounds.length(pace.length,
+                                                                          self.remaining)))
 
     def _on_contribution(self, out: list[Action], peer: str, msg: wire.Contribution,
                          now: float = 0.0) -> None:
@@ -839,6 +858,7 @@ class StepMachine:
                digests: tuple[str, ...], clipped: tuple[str, ...], rollback: bool) -> bool:
         """Apply the step's mean and commit it (``digests``: of the bytes it came from)."""
         assert st.roster is not None
+        length = self.bounds.length(st.pace.length, self.remaining)
         backup = getattr(self.replica, "backup", None)
         if backup is not None:
             self._backup = (step, backup())
@@ -851,12 +871,12 @@ class StepMachine:
         self.ledger.commit(step, st.roster, st.shares, st.owners)
         self.hash_check.averaged_at(step + 1, digests)
         if self.is_leader:
-            self.leading.measure_round(st)
+            self.leading.measure_round(st, length)
         self.ledger.forget_before(step, self.history, keep_payloads=self.is_leader)
         self._publish_hashes(out)
         wh, ph = self.hash_check.own(self.boundary)
         out.append(Commit(step, st.roster, self._losses.pop(step, None), wh, ph, rollback,
-                          st.shares, clipped, st.owners))
+                          st.shares, clipped, st.owners, length, st.pace.ahead))
         return True
 
     def _progress(self, out: list[Action], now: float) -> None:
@@ -868,7 +888,7 @@ class StepMachine:
             electorate = self.electorate() if self._had_roster else ()
             reach = reachable(electorate, self.self_id, self._unlinked)
             if self._had_roster and not strict_majority(reach, len(electorate)):
-                if b >= self.total_steps and self._majority_ended_with_us(b, electorate):
+                if self.run_over and self._majority_ended_with_us(b, electorate):
                     # The members that finished first and left are no partition: the run
                     # is over, and a majority published the weights we end with.
                     self.finish_run(out, b)
@@ -880,7 +900,7 @@ class StepMachine:
                 self.leading.lead(out, b, now)
             elif self.leadership.candidate:
                 pass  # leads once a majority declared it (_check_elected)
-            elif b >= self.total_steps:
+            elif self.run_over:
                 self._maybe_finish(out, b)
             return
 

@@ -26,6 +26,7 @@ from typing import Any, ClassVar
 import msgpack
 
 from daisyweb import rules
+from daisyweb.protocol.pace import Pace
 
 __all__ = [
     "encode_parts",
@@ -60,7 +61,7 @@ __all__ = [
 # The messages below, as every peer of this version speaks them; a peer announcing another
 # version in its Hello is never listened to (protocol.leading). It goes up with any change
 # of a message's fields.
-PROTOCOL_VERSION = 10
+PROTOCOL_VERSION = 11
 
 # Limits. Generous for the project's models, small enough that a hostile peer
 # cannot make us allocate without bound.
@@ -302,6 +303,7 @@ class Config(_Msg):
     codec: str
     outer_lr: float
     overlap: int
+    sync_max: int  # the longest round the leader may name (``protocol.pace``)
     # the verified int8 kernels, or "float" (plain float32 GEMMs)
     compute: str = str(rules.DEFAULTS["compute"])
 
@@ -331,9 +333,11 @@ class Config(_Msg):
         except ValueError as exc:
             raise _fail(self.type, "heads", str(exc)) from None
         try:
-            rules.check_rounds(self.sync_every, self.codec, self.outer_lr, self.overlap)
+            rules.check_rounds(self.sync_every, self.codec, self.outer_lr, self.overlap,
+                               self.sync_max)
         except ValueError as exc:
-            raise _fail(self.type, "overlap", str(exc)) from None
+            field = "sync_max" if str(exc).startswith("sync_max") else "overlap"
+            raise _fail(self.type, field, str(exc)) from None
 
 
 @dataclass(frozen=True)
@@ -411,18 +415,25 @@ class Roster(_Msg):
     # mean, in part order (as many parts as the step's first roster had members; an
     # amendment hands a lost owner's parts to its successor). Empty: all-to-all.
     owners: tuple[str, ...] = ()
-    # Rounds: how many steps of the next round every member takes while this round's
-    # exchange is in flight (``training.overlap``; at most the run's ``overlap``, which
-    # a member applies whatever this says). One number for the group: members that ran
+    # Rounds (``protocol.pace``): how many steps of the next round every member takes
+    # while this round's exchange is in flight (at most the run's ``overlap``, which a
+    # member applies whatever this says). One number for the group: members that ran
     # ahead by different lengths would send at different times, and the leader's view
     # of their speeds (``capacity.bounded_speeds``) would favour the longer head start.
     ahead: int = 0
+    # Rounds: this round's inner steps, within the run's bounds (0: the shortest).
+    length: int = 0
 
     type: ClassVar[str] = "roster"
     _checks: ClassVar[dict[str, Checker]] = {"step": _step, "members": _members,
                                              "shares": _shares, "term": _int(0, MAX_STEP),
                                              "owners": _owners,
-                                             "ahead": _int(0, rules.MAX_SYNC_EVERY)}
+                                             "ahead": _int(0, rules.MAX_SYNC_EVERY),
+                                             "length": _int(0, rules.MAX_SYNC_EVERY)}
+
+    @property
+    def pace(self) -> Pace:
+        return Pace(self.length, self.ahead)
 
     def _check_cross(self) -> None:
         if self.shares and len(self.shares) != len(self.members):

@@ -25,6 +25,7 @@ from daisyweb.rules import (
     check_rounds,
     check_run,
     default_overlap,
+    default_sync_max,
 )
 
 __all__ = ["DEFAULTS", "RunConfig", "run_config", "trained_quantized"]
@@ -49,16 +50,22 @@ class RunConfig:
     overlap: int = None  # type: ignore[assignment]
     # The forward GEMMs: the int8 kernels, or plain float32 ("float").
     compute: str = str(DEFAULTS["compute"])
+    # Rounds: the longest round the leader may name when a link needs it
+    # (``protocol.pace``; ``sync_every`` is the shortest); None: the default.
+    sync_max: int = None  # type: ignore[assignment]
 
     def __post_init__(self) -> None:
-        if self.overlap is None:
-            object.__setattr__(self, "overlap", default_overlap(self.sync_every))
+        if self.sync_max is None and type(self.sync_every) is int:
+            object.__setattr__(self, "sync_max", default_sync_max(self.sync_every))
+        if self.overlap is None and type(self.sync_max) is int:
+            object.__setattr__(self, "overlap", default_overlap(self.sync_max))
         if not isinstance(self.model, ModelConfig):
             raise ValueError(f"bad run config: model must be a ModelConfig, "
                              f"got {type(self.model).__name__}")
         try:
             check_run(self.batch, self.steps, self.lr, self.seed, self.data)
-            check_rounds(self.sync_every, self.codec, self.outer_lr, self.overlap)
+            check_rounds(self.sync_every, self.codec, self.outer_lr, self.overlap,
+                         self.sync_max)
             check_compute(self.compute)
         except ValueError as exc:
             raise ValueError(f"bad run config: {exc}") from None
@@ -78,7 +85,7 @@ class RunConfig:
             "vocab": m.vocab, "batch": self.batch, "steps": self.steps, "lr": self.lr,
             "seed": self.seed, "data": self.data, "sync_every": self.sync_every,
             "codec": self.codec, "outer_lr": self.outer_lr, "overlap": self.overlap,
-            "compute": self.compute,
+            "compute": self.compute, "sync_max": self.sync_max,
         })
 
     @classmethod
@@ -88,14 +95,14 @@ class RunConfig:
         return cls(model=model, batch=msg.batch, steps=msg.steps, lr=msg.lr,
                    seed=msg.seed, data=msg.data, sync_every=msg.sync_every,
                    codec=msg.codec, outer_lr=msg.outer_lr, overlap=msg.overlap,
-                   compute=msg.compute)
+                   compute=msg.compute, sync_max=msg.sync_max)
 
     def to_dict(self) -> dict[str, Any]:
         """Plain metadata for a checkpoint's ``run`` dict (the model goes separately)."""
         return {"batch": self.batch, "steps": self.steps, "lr": self.lr,
                 "seed": self.seed, "data": self.data, "sync_every": self.sync_every,
                 "codec": self.codec, "outer_lr": self.outer_lr, "overlap": self.overlap,
-                "compute": self.compute}
+                "compute": self.compute, "sync_max": self.sync_max}
 
     @property
     def rounds(self) -> bool:
@@ -108,11 +115,14 @@ class RunConfig:
         try:
             # A checkpoint without these fields was trained without them (rules.LOCKSTEP).
             mode = {k: run.get(k, v) for k, v in LOCKSTEP.items()}
+            # One that names no longest round had rounds of exactly sync_every.
+            mode["sync_max"] = run.get("sync_max", mode["sync_every"])
             return cls(model=ckpt.model, batch=int(run["batch"]), steps=int(run["steps"]),
                        lr=float(run["lr"]), seed=int(run["seed"]), data=str(run["data"]),
                        sync_every=int(mode["sync_every"]), codec=str(mode["codec"]),
                        outer_lr=float(mode["outer_lr"]), overlap=int(mode["overlap"]),
-                       compute=str(run.get("compute", CHECKPOINT_COMPUTE)))
+                       compute=str(run.get("compute", CHECKPOINT_COMPUTE)),
+                       sync_max=int(mode["sync_max"]))
         except (KeyError, TypeError, ValueError) as exc:
             raise ValueError(f"checkpoint run metadata is incomplete: {exc}") from None
 
@@ -134,6 +144,7 @@ def run_config(
     outer_lr: float | None = None,
     overlap: int | None = None,
     compute: str | None = None,
+    sync_max: int | None = None,
 ) -> RunConfig:
     """A validated :class:`RunConfig`; every ``None`` takes its value from :data:`DEFAULTS`.
 
@@ -149,7 +160,7 @@ def run_config(
                      lr=pick("lr", lr), seed=pick("seed", seed), data=data,
                      sync_every=pick("sync_every", sync_every), codec=pick("codec", codec),
                      outer_lr=pick("outer_lr", outer_lr),
-                     overlap=overlap, compute=pick("compute", compute))
+                     overlap=overlap, compute=pick("compute", compute), sync_max=sync_max)
 
 
 def trained_quantized(ckpt: Checkpoint) -> bool:

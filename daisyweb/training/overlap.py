@@ -1,15 +1,17 @@
-"""How many steps of the next round the group runs ahead (``--overlap K``, a head start).
+"""How many steps a member's exchange takes: what the group's head start and round length
+follow (``--overlap K``, ``--sync-max``; the leader's choice is ``protocol.pace``).
 
 A head start hides the exchange behind compute, but each step taken before the group's
 update is known trains on staler weights (``python -m bench.overlap`` measures what that
 costs in held-out loss). So the group runs ahead only as far as its exchange needs: each
 member measures its wait from its contribution ready to the round committed (the others'
-bytes arriving, and the commit's own work), takes as many steps as that wait at its own
-seconds per step and a quarter more, at least one and at most the run's ``overlap``
-(which may be the whole round: then round ``r``'s update is applied a round late), and
-publishes the number with its hashes (``wire.StepHashes.ahead``). The leader's roster
-names the most any member needs (``wire.Roster.ahead``), so every member runs ahead
-alike. Before anything is measured it is ``FIRST_HEAD`` steps.
+bytes arriving, and the commit's own work), counts it in steps at its own seconds per
+step and a quarter more, at least one and at most the run's longest round, and publishes
+the number with its hashes (``wire.StepHashes.ahead``). The leader's roster names the
+most any member needs (``wire.Roster.ahead``), so every member runs ahead alike, at most
+the run's ``overlap`` (which may be the whole round: then round ``r``'s update is
+applied a round late), and makes the round long enough for it. Before anything is
+measured it is ``FIRST_HEAD`` steps.
 
 Every member's wait counts because it is the waiting members that a longer head start
 helps: a member whose contribution is the last to be ready (a slower one, or the leader
@@ -35,14 +37,13 @@ MARGIN = 1.25  # run ahead a quarter longer than the exchange took (links vary)
 _KEPT = 2  # exchanges the estimate looks back on (the longer counts)
 
 
-def head_steps(exchange_s: float | None, step_s: float | None, limit: int,
-               round_steps: int) -> int:
-    """Steps to run ahead of a round of ``round_steps`` steps, at most ``limit``.
+def head_steps(exchange_s: float | None, step_s: float | None, limit: int) -> int:
+    """The steps of compute this member's exchange needs, at most ``limit``.
 
     ``exchange_s``: how long this member's last exchanges took (contribution ready to
     round committed); ``step_s``: its compute seconds per inner step; None: not measured
     yet, then ``FIRST_HEAD`` steps."""
-    cap = min(limit, round_steps)
+    cap = limit
     if cap <= 0:
         return 0
     if exchange_s is None or step_s is None or step_s <= 0.0 or not math.isfinite(exchange_s):
@@ -72,6 +73,6 @@ class OverlapGauge:
         if ready is not None:
             self.exchanges.append(now - ready)
 
-    def steps(self, limit: int, round_steps: int) -> int:
+    def steps(self, limit: int) -> int:
         exchange = max(self.exchanges) if self.exchanges else None
-        return head_steps(exchange, self.step_s, limit, round_steps)
+        return head_steps(exchange, self.step_s, limit)

@@ -6,7 +6,7 @@ roster's gradients in roster order (``average_in_roster_order``), each first bou
 the members bound it (``protocol.influence``), and take one step.
 Tests feed it the per-peer gradients the peers actually used and compare its hash with
 every peer's final weight hash. :func:`replay_rounds` is the same oracle for runs in
-rounds (``--sync-every H``), fed the decoded round deltas.
+rounds (``--sync-every H``), fed the decoded round deltas and the rounds' lengths.
 """
 
 from __future__ import annotations
@@ -31,7 +31,7 @@ from daisyweb.protocol.owners import (
     part_payload,
     reduce_part,
 )
-from daisyweb.training.rounds import outer_step, round_length, shared_hash
+from daisyweb.training.rounds import outer_step, shared_hash
 
 __all__ = ["OwnedMeans", "replay", "replay_hashes", "replay_owned", "replay_owned_rounds",
            "replay_rounds", "round_anchors"]
@@ -146,38 +146,40 @@ def replay_rounds(
     initial_params: np.ndarray,
     rounds: Sequence[StepSpec],
     *,
-    sync_every: int,
-    total_steps: int,
+    lengths: Sequence[int],
     outer_lr: float = 1.0,
     first_round: int = 0,
+    first_step: int = 0,
 ) -> list[str]:
-    """Shared-state hash after every round of a ``--sync-every`` run.
+    """Shared-state hash after every round of a run in rounds.
 
     ``rounds[i]`` holds the roster of round ``first_round + i`` and each member's decoded
-    contribution (its round delta as every member decoded it from the wire). Inner
-    moments are local to each member and do not enter the shared state, so the round
-    deltas alone determine it.
+    contribution (its round delta as every member decoded it from the wire);
+    ``lengths[i]`` its inner steps (as the leader named them, ``protocol.pace``;
+    ``rounds.grid_lengths`` for rounds of one length), the run standing at inner step
+    ``first_step`` before the first. Inner moments are local to each member and do not
+    enter the shared state, so the round deltas alone determine it.
     """
     return [shared_hash(anchor, r, inner) for r, inner, anchor in round_anchors(
-        initial_params, rounds, sync_every=sync_every, total_steps=total_steps,
-        outer_lr=outer_lr, first_round=first_round)]
+        initial_params, rounds, lengths=lengths, outer_lr=outer_lr,
+        first_round=first_round, first_step=first_step)]
 
 
 def round_anchors(
     initial_params: np.ndarray,
     rounds: Iterable[StepSpec],
     *,
-    sync_every: int,
-    total_steps: int,
+    lengths: Sequence[int],
     outer_lr: float = 1.0,
     first_round: int = 0,
+    first_step: int = 0,
 ) -> Iterator[tuple[int, int, np.ndarray]]:
     """``(rounds done, inner steps done, shared weights)`` after every round of
     :func:`replay_rounds` (a new array each time), ``rounds`` read one at a time: what a
     benchmark evaluates offline at each boundary instead of stopping the run to."""
     size = np.asarray(initial_params).size
     means = (_combine(spec, size, f"round {first_round + i}") for i, spec in enumerate(rounds))
-    return _anchors(initial_params, means, sync_every, total_steps, outer_lr, first_round)
+    return _anchors(initial_params, means, lengths, outer_lr, first_round, first_step)
 
 
 def replay_owned_rounds(
@@ -185,10 +187,10 @@ def replay_owned_rounds(
     rounds: Sequence[OwnedSpec],
     codec: Codec,
     *,
-    sync_every: int,
-    total_steps: int,
+    lengths: Sequence[int],
     outer_lr: float = 1.0,
     first_round: int = 0,
+    first_step: int = 0,
 ) -> list[str]:
     """:func:`replay_rounds` for rounds of the owner exchange (``rounds[i]``: the roster,
     the parts' owners, each member's payload bytes and the shares; a round without
@@ -205,17 +207,18 @@ def replay_owned_rounds(
 
     means = (mean(i, spec) for i, spec in enumerate(rounds))
     return [shared_hash(anchor, r, inner) for r, inner, anchor in _anchors(
-        initial_params, means, sync_every, total_steps, outer_lr, first_round)]
+        initial_params, means, lengths, outer_lr, first_round, first_step)]
 
 
-def _anchors(initial_params: np.ndarray, means: Iterable[np.ndarray], sync_every: int,
-             total_steps: int, outer_lr: float, first_round: int,
+def _anchors(initial_params: np.ndarray, means: Iterable[np.ndarray], lengths: Sequence[int],
+             outer_lr: float, first_round: int, first_step: int,
              ) -> Iterator[tuple[int, int, np.ndarray]]:
     """``(rounds done, inner steps done, shared weights)`` after each round's mean."""
     anchor = np.array(initial_params, dtype=np.float32, copy=True)
-    inner = first_round * sync_every
+    inner = first_step
     for i, mean in enumerate(means):
-        r = first_round + i
+        if i >= len(lengths):
+            raise ValueError(f"replay: no length for round {first_round + i}")
         anchor = outer_step(anchor, mean, outer_lr)
-        inner += round_length(r, total_steps, sync_every)
-        yield r + 1, inner, anchor
+        inner += lengths[i]
+        yield first_round + i + 1, inner, anchor

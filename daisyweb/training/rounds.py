@@ -6,8 +6,10 @@ bit for bit). Over links of a few MB/s that costs far more than the step,
 so with H > 1 (:class:`RoundTrainer`) a round is:
 
 1. every member starts from the same shared weights, the *anchor* ``a``;
-2. it takes H local DaisyAdam steps on its own batches (its inner Adam moments stay
-   local: they never cross the wire and are not part of the shared hash);
+2. it takes the round's local DaisyAdam steps on its own batches, as many as the
+   leader's roster names (``--sync-every`` H, longer when a slow link needs it:
+   ``protocol.pace``); its inner Adam moments stay local: they never cross the wire and
+   are not part of the shared hash;
 3. it contributes its round delta ``d_i = a - w_i`` (elementwise float32);
 4. every member decodes the roster's contributions from the same bytes, averages them in
    roster order (``average_in_roster_order``) and applies the outer step
@@ -64,8 +66,7 @@ __all__ = [
     "HeadStart",
     "LockstepTrainer",
     "RoundTrainer",
-    "round_count",
-    "round_length",
+    "grid_lengths",
     "rounds_before",
     "outer_step",
     "shared_hash",
@@ -90,6 +91,7 @@ class Contribution:
     inner: dict[str, Any] | None = None
     local: np.ndarray | None = None  # rounds: the member's weights at the round's end
     head_steps: int = 0  # rounds: steps taken as a head start (``--overlap``)
+    steps: int = 1  # the inner steps it took (a round's length)
 
 
 @dataclass
@@ -122,35 +124,26 @@ class HeadStart:
         return taken
 
 
-def round_count(total_steps: int, sync_every: int) -> int:
-    """Rounds in a run of ``total_steps`` inner steps (the last round may be shorter)."""
-    return -(-total_steps // sync_every)
+def grid_lengths(rounds: int, total_steps: int, sync_every: int,
+                 start_step: int = 0) -> list[int]:
+    """The lengths of ``rounds`` rounds of ``sync_every`` steps from ``start_step``, the
+    last ones cut at ``total_steps``: what a run whose leader never lengthens a round
+    trains (``protocol.pace``)."""
+    out = []
+    step = start_step
+    for _ in range(rounds):
+        n = max(0, min(sync_every, total_steps - step))
+        out.append(n)
+        step += n
+    return out
 
 
-def round_length(round_index: int, total_steps: int, sync_every: int,
-                 start_step: int = 0) -> int:
-    """Inner steps in round ``round_index`` of a run that (re)started at ``start_step``.
-
-    Rounds follow the grid of H-step windows: round r covers the inner steps
-    ``[max(r H, start_step), min((r + 1) H, total_steps))``. A run started at a window
-    boundary (every fresh run, every joiner) has rounds of H with a short last one; a
-    run continued from a finished checkpoint whose last round was short (``--resume
-    --steps``) first completes that window, then follows the grid again.
-    """
-    first = max(round_index * sync_every, start_step)
-    return max(0, min((round_index + 1) * sync_every, total_steps) - first)
-
-
-def rounds_before(step: int, total_steps: int, sync_every: int) -> int:
-    """Rounds committed when a run of ``total_steps`` stands at inner step ``step``.
-
-    Every window completed so far counts; at the run's end its short last round counts
-    too. A finished run continued to a larger ``total_steps`` thus stands inside its last
-    window again, which its next round completes (:func:`round_length`).
-    """
-    if step >= total_steps:
-        return round_count(step, sync_every)
-    return step // sync_every
+def rounds_before(step: int, sync_every: int) -> int:
+    """The round count a state at inner step ``step`` starts from when nothing says how
+    many rounds it took (a checkpoint: ``--resume``): as if every round had been
+    ``sync_every`` steps, a short last one counted. Only the group must agree on it (a
+    joiner takes the count from its snapshot's plan)."""
+    return -(-step // sync_every)
 
 
 def outer_step(anchor: np.ndarray, mean_delta: np.ndarray, outer_lr: float,
@@ -197,10 +190,7 @@ class LockstepTrainer:
         """Optimizer steps taken so far (what progress and checkpoints count)."""
         return self.state.step
 
-    def steps_in(self, index: int) -> int:
-        return 1
-
-    def contribute(self, index: int, batch: BatchFn) -> Contribution:
+    def contribute(self, index: int, batch: BatchFn, steps: int = 1) -> Contribution:
         loss, grad = self.state.gradient(batch(index))
         return Contribution(index, loss, grad)
 
@@ -227,21 +217,20 @@ class RoundTrainer:
 
     A :class:`daisyweb.protocol.sync.Replica` whose ``step`` counts committed rounds.
     ``state.params`` is the anchor at every boundary; ``state.optimizer`` holds this
-    member's inner moments.
+    member's inner moments, and its step count the inner steps committed: a round's
+    first inner step (which batches it draws) is where the one before it ended, and its
+    length is the roster's (``protocol.pace``).
     """
 
-    def __init__(self, state: TrainState, sync_every: int, outer_lr: float = 1.0) -> None:
+    def __init__(self, state: TrainState, sync_every: int, outer_lr: float = 1.0,
+                 rounds_done: int | None = None) -> None:
         if sync_every < 2:
             raise ValueError(f"rounds need sync_every >= 2, got {sync_every}")
-        total = state.run.steps
         self.state = state
         self.sync_every = sync_every
         self.outer_lr = float(outer_lr)
-        self.total_steps = total
-        # Where this replica's rounds start (round_length): every later boundary is on
-        # the H grid, so a joiner starting at one lays out the same rounds.
-        self.start_step = state.step
-        self.rounds_done = rounds_before(state.step, total, sync_every)
+        self.rounds_done = (rounds_before(state.step, sync_every) if rounds_done is None
+                            else rounds_done)
         self._staged: dict[int, dict[str, Any]] = {}
 
     @property
@@ -256,21 +245,21 @@ class RoundTrainer:
     def inner_steps(self) -> int:
         return self.state.step
 
-    def steps_in(self, index: int) -> int:
-        return round_length(index, self.total_steps, self.sync_every, self.start_step)
-
-    def contribute(self, index: int, batch: BatchFn,
+    def contribute(self, index: int, batch: BatchFn, steps: int,
                    head: HeadStart | None = None) -> Contribution:
-        """Round ``index`` from the current anchor, on copies (see module docstring).
+        """Round ``index`` of ``steps`` inner steps from the current anchor, on copies
+        (see module docstring).
 
         With a ``head`` start of this round, its steps are not taken again: the round
         goes on from the anchor moved by the head start's progress, with its moments
-        (the head start's arrays are taken over: :meth:`HeadStart.take`).
+        (the head start's arrays are taken over: :meth:`HeadStart.take`). A head start
+        longer than the round (a roster that broke ``protocol.pace``'s rule) is not used.
         """
         state = self.state
         anchor = state.params
         config = state.optimizer.config
-        if head is not None and head.index == index:
+        first = state.step
+        if head is not None and head.index == index and head.steps <= steps:
             progress, inner = head.take()
             # anchor - progress, into the progress buffer: the same float32 subtraction
             local = np.subtract(anchor, progress, out=progress)
@@ -282,37 +271,35 @@ class RoundTrainer:
             # One copy of the committed moments (never changed in place: see apply).
             optimizer = DaisyAdam(config, state.size, state.optimizer.state_dict(copy=False))
             done, total_loss = 0, 0.0
-        n = self.steps_in(index)
-        total_loss += self._local_steps(local, optimizer, index, range(done, n), batch)
+        total_loss += self._local_steps(local, optimizer, first, range(done, steps), batch)
         delta = np.subtract(anchor, local, dtype=np.float32)
         # The local optimizer is done: its arrays become the contribution's inner state.
-        return Contribution(index, total_loss / max(n, 1), delta,
-                            optimizer.state_dict(copy=False), local, done)
+        return Contribution(index, total_loss / max(steps, 1), delta,
+                            optimizer.state_dict(copy=False), local, done, steps)
 
     def head_start(self, index: int, batch: BatchFn, previous: Contribution,
                    steps: int) -> HeadStart | None:
-        """Up to ``steps`` inner steps of round ``index`` from ``previous`` (this member's
-        contribution to round ``index - 1``): its end weights and inner moments, at most
-        the whole round; None when the round does not exist or there is nothing to
-        start."""
-        n = self.steps_in(index)
-        k = min(steps, n)
-        if k <= 0 or previous.index != index - 1 or previous.local is None \
+        """The first ``steps`` inner steps of round ``index`` from ``previous`` (this
+        member's contribution to round ``index - 1``): its end weights and inner moments;
+        the round starts where ``previous`` ended. None when there is nothing to start.
+        The caller bounds ``steps`` by what the round may hold (``Bounds.head_start``)."""
+        if steps <= 0 or previous.index != index - 1 or previous.local is None \
                 or previous.inner is None:
             return None
         local = previous.local.copy()
         # a copy of the moments: the staged state stays intact
         optimizer = DaisyAdam(self.state.optimizer.config, self.state.size, previous.inner)
-        loss_sum = self._local_steps(local, optimizer, index, range(k), batch)
+        first = optimizer.step_count
+        loss_sum = self._local_steps(local, optimizer, first, range(steps), batch)
         # base - w_k into the weights' own buffer (they are not needed any more)
         progress = np.subtract(previous.local, local, out=local)
-        return HeadStart(index, k, loss_sum, progress, optimizer.state_dict(copy=False))
+        return HeadStart(index, steps, loss_sum, progress, optimizer.state_dict(copy=False))
 
-    def _local_steps(self, local: np.ndarray, optimizer: DaisyAdam, index: int,
+    def _local_steps(self, local: np.ndarray, optimizer: DaisyAdam, first: int,
                      steps: range, batch: BatchFn) -> float:
-        """Inner steps ``steps`` of round ``index`` on ``local`` in place; the loss sum."""
+        """Inner steps ``steps`` of a round that starts at inner step ``first``, on
+        ``local`` in place; the loss sum."""
         state = self.state
-        first = max(index * self.sync_every, self.start_step)  # see round_length
         total = 0.0
         grad = np.empty_like(local)  # one gradient buffer for these steps
         for j in steps:

@@ -3,6 +3,8 @@ derives its bounds from them (one source); this keeps the two from drifting if t
 
 from __future__ import annotations
 
+import contextlib
+
 import pytest
 
 from daisyweb import rules
@@ -16,7 +18,8 @@ def test_bounds_are_the_wire_configs() -> None:
     assert rules.MAX_DATA_LEN == wire.MAX_TEXT_LEN
     base = {"width": 8, "layers": 1, "heads": 2, "seq": 4, "vocab": 9, "batch": 1,
             "steps": 1, "lr": 1e-3, "seed": 0, "data": "builtin", "sync_every": 1,
-            "codec": "f32", "outer_lr": 1.0, "overlap": 0, "compute": "int8"}
+            "codec": "f32", "outer_lr": 1.0, "overlap": 0, "compute": "int8",
+            "sync_max": 1}
     edges = {
         "width": [0, 1, rules.MAX_DIM, rules.MAX_DIM + 1, True],
         "batch": [0, 1, rules.MAX_DIM, rules.MAX_DIM + 1],
@@ -26,12 +29,19 @@ def test_bounds_are_the_wire_configs() -> None:
         "sync_every": [0, 1, rules.MAX_SYNC_EVERY, rules.MAX_SYNC_EVERY + 1],
         "outer_lr": [0.0, 0.5, rules.MAX_LR, rules.MAX_LR + 1e-6, float("inf")],
         "overlap": [-1, 0, 1, rules.MAX_SYNC_EVERY, rules.MAX_SYNC_EVERY + 1, True],
+        "sync_max": [0, 2, rules.MAX_SYNC_EVERY, rules.MAX_SYNC_EVERY + 1, True],
     }
     for name, values in edges.items():
         for value in values:
             d = base | {name: value} | ({"heads": 1} if name == "width" else {})
-            if name == "overlap":  # the longest round: the cross rule is not what refuses
-                d["sync_every"] = rules.MAX_SYNC_EVERY
+            if name == "sync_every":  # as long a longest round: the cross rule accepts
+                d["sync_max"] = value
+            if name in ("overlap", "sync_max"):  # rounds of 2 to the longest: the cross
+                # rules are not what refuses
+                d["sync_every"] = 2
+                d.setdefault("sync_max", rules.MAX_SYNC_EVERY)
+                if name == "overlap":
+                    d["sync_max"] = rules.MAX_SYNC_EVERY
             try:
                 wire.Config.from_dict(d)
                 wire_ok = True
@@ -81,12 +91,13 @@ def test_compute_is_int8_or_float_on_the_wire_and_in_the_rules(compute: str) -> 
         wire.Config.from_dict(without)
 
 
-def test_overlap_is_at_most_the_round_and_none_in_lockstep() -> None:
+def test_overlap_is_at_most_the_longest_round_and_none_in_lockstep() -> None:
     base = dict(rules.DEFAULTS, vocab=9, width=8, heads=2)
-    for sync_every, overlap, ok in [(32, 31, True), (32, 32, True), (32, 33, False),
-                                    (32, 40, False), (1, 0, True), (1, 1, False),
-                                    (2, 1, True), (2, 2, True)]:
-        d = dict(base, sync_every=sync_every, overlap=overlap)
+    for sync_every, sync_max, overlap, ok in [
+            (32, 32, 31, True), (32, 32, 32, True), (32, 32, 33, False), (16, 64, 64, True),
+            (16, 64, 65, False), (1, 1, 0, True), (1, 1, 1, False), (2, 2, 1, True),
+            (2, 2, 2, True)]:
+        d = dict(base, sync_every=sync_every, overlap=overlap, sync_max=sync_max)
         try:
             wire.Config.from_dict(d)
             wire_ok = True
@@ -94,14 +105,30 @@ def test_overlap_is_at_most_the_round_and_none_in_lockstep() -> None:
             wire_ok = False
         assert wire_ok == ok, (sync_every, overlap)
         if ok:
-            rules.check_rounds(sync_every, "int8", 1.0, overlap)
+            rules.check_rounds(sync_every, "int8", 1.0, overlap, sync_max)
         else:
-            with pytest.raises(ValueError, match="overlap must be at most sync_every"):
-                rules.check_rounds(sync_every, "int8", 1.0, overlap)
+            with pytest.raises(ValueError, match="overlap must be at most sync_max"):
+                rules.check_rounds(sync_every, "int8", 1.0, overlap, sync_max)
+
+
+def test_the_longest_round_is_at_least_the_shortest_and_one_in_lockstep() -> None:
+    base = dict(rules.DEFAULTS, vocab=9, width=8, heads=2, overlap=0)
+    for sync_every, sync_max, ok in [(16, 16, True), (16, 64, True), (16, 15, False),
+                                     (1, 1, True), (1, 2, False), (2, 1, False)]:
+        d = dict(base, sync_every=sync_every, sync_max=sync_max)
+        with pytest.raises(wire.WireError, match="sync_max") if not ok \
+                else contextlib.nullcontext():
+            wire.Config.from_dict(d)
+        if not ok:
+            with pytest.raises(ValueError, match="sync_max must be at least sync_every"):
+                rules.check_rounds(sync_every, "int8", 1.0, 0, sync_max)
 
 
 def test_default_overlap_fits_every_round_length() -> None:
     assert rules.default_overlap(1) == 0
     assert rules.default_overlap(2) == 2
     assert rules.default_overlap(32) == 32
-    assert rules.default_overlap(int(rules.DEFAULTS["sync_every"])) == rules.DEFAULTS["overlap"]
+    assert rules.default_sync_max(1) == 1 and rules.default_sync_max(16) == 64
+    assert rules.default_sync_max(int(rules.DEFAULTS["sync_every"])) == \
+        rules.DEFAULTS["sync_max"]
+    assert rules.default_overlap(int(rules.DEFAULTS["sync_max"])) == rules.DEFAULTS["overlap"]

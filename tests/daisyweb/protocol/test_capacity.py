@@ -18,6 +18,7 @@ from daisyweb.protocol.averaging import (
     weighted_average_in_roster_order,
 )
 from daisyweb.protocol.capacity import DEADBAND, MAX_FACTOR, capacity_shares
+from daisyweb.protocol.pace import Bounds
 from daisyweb.protocol.sync import Commit, Compute, Send, StepMachine
 from daisyweb.training.replay import replay_hashes
 
@@ -121,6 +122,10 @@ class Replica:
 
     @property
     def step(self) -> int:
+        return self.opt.step_count
+
+    @property
+    def inner_steps(self) -> int:  # lockstep: one optimizer step a step
         return self.opt.step_count
 
     @property
@@ -231,7 +236,10 @@ def test_the_roster_runs_ahead_as_far_as_its_slowest_exchange_needs(
     exchange needed (each publishes its need with its hashes), in every member's
     Compute."""
     reps = {p: Replica() for p in "ab"}
-    a = StepMachine("a", reps["a"], 2, lambda: "aa" * 16, leader="a", members=["a", "b"])
+    bounds = Bounds(2, 16, 16)  # rounds of 2 to 16 steps (the replica's are 1: it stops
+    # after 2 of them, and names rounds of 2, all that is left)
+    a = StepMachine("a", reps["a"], 2, lambda: "aa" * 16, leader="a", members=["a", "b"],
+                    bounds=bounds)
     a.ahead = own
     published = [x.message for x in a.start(0.0) if isinstance(x, Send)
                  and isinstance(x.message, wire.StepHashes)]
@@ -243,10 +251,10 @@ def test_the_roster_runs_ahead_as_far_as_its_slowest_exchange_needs(
                  and isinstance(x.message, wire.Roster)]
     assert roster.ahead == named
     assert [x.ahead for x in actions if isinstance(x, Compute)] == [named]
-    b = StepMachine("b", reps["b"], 2, lambda: "aa" * 16, leader="a")
+    b = StepMachine("b", reps["b"], 2, lambda: "aa" * 16, leader="a", bounds=bounds)
     b.start(0.0)
     out = b.message("a", wire.decode(wire.encode(roster)), 0.0)
-    assert [x.ahead for x in out if isinstance(x, Compute)] == [named]
+    assert [(x.ahead, x.length) for x in out if isinstance(x, Compute)] == [(named, 2)]
 
 
 def _follower_that_committed_step_0() -> tuple[StepMachine, Replica, list]:

@@ -62,6 +62,10 @@ class FakeReplica:
         return self.opt.step_count
 
     @property
+    def inner_steps(self) -> int:  # lockstep: one optimizer step a step
+        return self.opt.step_count
+
+    @property
     def size(self) -> int:
         return self.params.size
 

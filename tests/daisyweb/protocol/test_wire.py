@@ -12,6 +12,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from daisyweb.protocol import wire
+from daisyweb.protocol.pace import Pace
 from daisyweb.protocol.wire import (
     Config,
     Contribution,
@@ -50,6 +51,7 @@ SAMPLES = [
         codec="int8",
         outer_lr=1.0,
         overlap=4,
+        sync_max=32,
     ),
     Roster(5, ["a", "b", "c"]),
     Contribution(5, "a", struct.pack("<3f", 1.0, -2.5, 0.0)),
@@ -116,7 +118,8 @@ def test_a_roster_refuses_owners_that_are_not_members(owners: object) -> None:
         Roster(1, ["a", "b"], [], 0, owners)  # type: ignore[arg-type]
     with pytest.raises(WireError, match="owners|msgpack"):  # (msgpack: too long to read)
         decode(_pack({"type": "roster", "step": 1, "members": ["a", "b"], "shares": [],
-                      "term": 0, "owners": owners, "ahead": 0}))
+                      "term": 0, "owners": owners, "ahead": 0,
+                      "length": 0}))
 
 
 @pytest.mark.parametrize("part", [-1, 1024, 1.0, True])
@@ -344,16 +347,18 @@ def test_step_hashes_carry_a_valid_roster_hash() -> None:
 def test_roster_shares_are_checked(shares: object, why: str) -> None:
     with pytest.raises(WireError, match=why):
         decode(_pack({"type": "roster", "step": 1, "members": ["a", "b"],
-                           "shares": shares, "term": 0, "owners": [], "ahead": 0}))
+                           "shares": shares, "term": 0, "owners": [], "ahead": 0,
+                           "length": 0}))
 
 
-@pytest.mark.parametrize("ahead", [-1, (1 << 20) + 1, 2.0, True, None])
-def test_a_rosters_head_start_is_a_round_length_at_most(ahead: object) -> None:
+@pytest.mark.parametrize("name", ["ahead", "length"])
+@pytest.mark.parametrize("bad", [-1, (1 << 20) + 1, 2.0, True, None])
+def test_a_rosters_pace_is_a_round_length_at_most(name: str, bad: object) -> None:
     good = {"type": "roster", "step": 1, "members": ["a", "b"], "shares": [], "term": 0,
-            "owners": [], "ahead": 16}
-    assert decode(_pack(good)).ahead == 16
-    with pytest.raises(WireError, match="ahead"):
-        decode(_pack({**good, "ahead": ahead}))
+            "owners": [], "ahead": 16, "length": 32}
+    assert decode(_pack(good)).pace == Pace(32, 16)  # type: ignore[union-attr]
+    with pytest.raises(WireError, match=name):
+        decode(_pack({**good, name: bad}))
 
 
 @pytest.mark.parametrize("digests", ["ab", ["AB"], ["xyz1"], [1], ["ab"] * 1025])
@@ -369,7 +374,8 @@ def test_step_hashes_digests_are_checked(digests: object) -> None:
 @pytest.mark.parametrize("kind", ["roster", "following"])
 @pytest.mark.parametrize("term", [-1, 1 << 63, 1.0, "1", True, None])
 def test_terms_are_checked(kind: str, term: object) -> None:
-    fields = ({"step": 1, "members": ["a"], "shares": [], "owners": [], "ahead": 0}
+    fields = ({"step": 1, "members": ["a"], "shares": [], "owners": [], "ahead": 0,
+               "length": 0}
               if kind == "roster"
               else {"leader": "a"})
     assert decode(_pack({"type": kind, **fields, "term": 7})).term == 7  # type: ignore[union-attr]

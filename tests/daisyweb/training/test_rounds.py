@@ -17,9 +17,8 @@ from daisyweb.training.replay import replay_hashes, replay_rounds
 from daisyweb.training.rounds import (
     LockstepTrainer,
     RoundTrainer,
+    grid_lengths,
     outer_step,
-    round_count,
-    round_length,
     rounds_before,
 )
 from daisyweb.training.state import TrainState
@@ -38,10 +37,16 @@ def _batches(peer: str):
     return lambda i: s.sample(i + 1)
 
 
+def _n(t: RoundTrainer | LockstepTrainer) -> int:
+    """The next round's length in a run of rounds of ``sync_every`` (the last cut short):
+    what a leader that never lengthens a round names."""
+    return min(t.sync_every, t.state.run.steps - t.state.step)
+
+
 def _group_round(trainers: dict, r: int) -> dict[str, np.ndarray]:
     contributions = {}
     for p, t in trainers.items():
-        c = t.contribute(r, _batches(p))
+        c = t.contribute(r, _batches(p), _n(t))
         t.stage(c)
         contributions[p] = c.vector
     mean = average_in_roster_order([contributions[p] for p in trainers])
@@ -50,10 +55,10 @@ def _group_round(trainers: dict, r: int) -> dict[str, np.ndarray]:
     return contributions
 
 
-def test_round_lengths_cover_the_run() -> None:
-    assert round_count(10, 4) == 3
-    assert [round_length(r, 10, 4) for r in range(3)] == [4, 4, 2]
-    assert round_count(8, 4) == 2 and round_length(2, 8, 4) == 0
+def test_grid_lengths_cover_the_run() -> None:
+    assert grid_lengths(3, 10, 4) == [4, 4, 2]
+    assert grid_lengths(3, 8, 4) == [4, 4, 0]
+    assert grid_lengths(3, 13, 4, start_step=6) == [4, 3, 0]
 
 
 def test_outer_step_is_elementwise_float32() -> None:
@@ -70,7 +75,7 @@ def test_members_are_identical_at_every_boundary_and_match_replay() -> None:
     start = trainers["a"].state.params.copy()
     log = []
     hashes = []
-    for r in range(round_count(10, 4)):
+    for r in range(3):
         log.append((("a", "b", "c"), _group_round(trainers, r)))
         seen = {t.weight_hash() for t in trainers.values()}
         assert len(seen) == 1
@@ -78,7 +83,7 @@ def test_members_are_identical_at_every_boundary_and_match_replay() -> None:
     assert trainers["a"].inner_steps == 10 and trainers["a"].step == 3
     # the inner moments are local: members differ there by design
     assert not np.array_equal(trainers["a"].state.optimizer.m, trainers["b"].state.optimizer.m)
-    assert replay_rounds(start, log, sync_every=4, total_steps=10) == hashes
+    assert replay_rounds(start, log, lengths=[4, 4, 2]) == hashes
 
 
 def test_replay_detects_a_changed_contribution() -> None:
@@ -86,19 +91,20 @@ def test_replay_detects_a_changed_contribution() -> None:
     trainers = {p: RoundTrainer(TrainState.fresh(run), 4) for p in ("a", "b")}
     start = trainers["a"].state.params.copy()
     log = [(("a", "b"), _group_round(trainers, r)) for r in range(2)]
-    good = replay_rounds(start, log, sync_every=4, total_steps=8)
+    good = replay_rounds(start, log, lengths=[4, 4])
     assert good[-1] == trainers["b"].weight_hash()
     bent = dict(log[1][1])
     bent["b"] = bent["b"].copy()
     bent["b"][0] += np.float32(1e-3)
-    assert replay_rounds(start, [log[0], (("a", "b"), bent)], sync_every=4,
-                         total_steps=8)[-1] != good[-1]
+    assert replay_rounds(start, [log[0], (("a", "b"), bent)],
+                         lengths=[4, 4])[-1] != good[-1]
+    assert replay_rounds(start, log, lengths=[4, 3])[-1] != good[-1]  # another length
 
 
 def test_contribute_touches_no_shared_state() -> None:
     t = RoundTrainer(TrainState.fresh(_run(8, 4)), 4)
     before = t.weight_hash(), t.state.optimizer.state_dict()["m"].copy()
-    t.contribute(0, _batches("a"))
+    t.contribute(0, _batches("a"), _n(t))
     assert t.weight_hash() == before[0]
     assert np.array_equal(t.state.optimizer.m, before[1])
 
@@ -117,7 +123,7 @@ def test_an_owned_mean_becomes_the_new_anchor_with_the_same_bits(outer_lr: float
     commit. Without ``owned`` the caller's mean is left as it was."""
     ref, own = (RoundTrainer(TrainState.fresh(_run(8, 4)), 4, outer_lr) for _ in range(2))
     for t in (ref, own):
-        contribution = t.contribute(0, _batches("a"))
+        contribution = t.contribute(0, _batches("a"), _n(t))
         t.stage(contribution)
     mean = contribution.vector
     kept = mean.copy()
@@ -132,7 +138,7 @@ def test_an_owned_mean_becomes_the_new_anchor_with_the_same_bits(outer_lr: float
 
 def test_backup_restore_rolls_back_a_committed_round() -> None:
     t = RoundTrainer(TrainState.fresh(_run(8, 4)), 4)
-    c = t.contribute(0, _batches("a"))
+    c = t.contribute(0, _batches("a"), _n(t))
     t.stage(c)
     token = t.backup()
     h0 = t.weight_hash()
@@ -150,16 +156,16 @@ def test_a_rollback_after_the_next_round_is_staged_restores_and_recommits_exactl
     shared state after it. The moments it adopts are the newest staged round's (this
     member's own, never hashed: see ``stage``), with the recommitted round's counts."""
     t = RoundTrainer(TrainState.fresh(_run(12, 4)), 4)
-    c0 = t.contribute(0, _batches("a"))
+    c0 = t.contribute(0, _batches("a"), _n(t))
     t.stage(c0)
     t.apply(c0.vector)
-    c1 = t.contribute(1, _batches("a"))
+    c1 = t.contribute(1, _batches("a"), _n(t))
     t.stage(c1)
     token = t.backup()
     before = (t.state.params.copy(), t.state.step, t.weight_hash())
     t.apply(c1.vector)
     after = (t.state.params.copy(), t.state.optimizer.m.copy(), t.weight_hash())
-    c2 = t.contribute(2, _batches("a"))  # the next round, computed and staged meanwhile
+    c2 = t.contribute(2, _batches("a"), _n(t))  # the next round, computed and staged meanwhile
     t.stage(c2)
     t.restore(token)  # round 1's roster was amended
     assert t.step == 1 and t.state.step == before[1] and t.weight_hash() == before[2]
@@ -176,10 +182,10 @@ def test_a_commit_lets_go_of_the_inner_state_staged_for_the_round_before() -> No
     """Round 0's moments are not needed once round 1 commits (a rollback only recommits
     round 1): the trainer must not hold them for the whole of round 2."""
     t = RoundTrainer(TrainState.fresh(_run(12, 4)), 4)
-    c0 = t.contribute(0, _batches("a"))
+    c0 = t.contribute(0, _batches("a"), _n(t))
     t.stage(c0)
     t.apply(c0.vector)
-    c1 = t.contribute(1, _batches("a"))
+    c1 = t.contribute(1, _batches("a"), _n(t))
     t.stage(c1)
     assert sorted(t._staged) == [0, 1]  # round 0's stays until round 1 commits
     t.apply(c1.vector)
@@ -192,12 +198,12 @@ def test_staging_the_round_in_flight_lets_go_of_the_committed_moments() -> None:
     nothing: the optimizer and a rollback's recommit take round 1's, with their own
     step counts kept."""
     t = RoundTrainer(TrainState.fresh(_run(12, 4)), 4)
-    c0 = t.contribute(0, _batches("a"))
+    c0 = t.contribute(0, _batches("a"), _n(t))
     t.stage(c0)
     t.apply(c0.vector)
     old_m, old_v = weakref.ref(c0.inner["m"]), weakref.ref(c0.inner["v"])
     steps = t.state.step
-    c1 = t.contribute(1, _batches("a"))
+    c1 = t.contribute(1, _batches("a"), _n(t))
     del c0
     t.stage(c1)
     gc.collect()
@@ -206,13 +212,9 @@ def test_staging_the_round_in_flight_lets_go_of_the_committed_moments() -> None:
     assert t._staged[0]["m"] is c1.inner["m"] and t._staged[0]["step"] == steps
 
 
-def test_rounds_before_counts_whole_windows_and_the_short_last_round() -> None:
-    assert [rounds_before(s, 10, 4) for s in (0, 4, 8, 10)] == [0, 1, 2, 3]
-    assert rounds_before(5, 5, 2) == 3  # a finished run: its short last round counts
-    assert rounds_before(5, 9, 2) == 2  # the same step continued: inside window 2 again
-    # a run continued from step 5 first completes window 2, then follows the grid
-    assert [round_length(r, 9, 2, start_step=5) for r in (2, 3, 4)] == [1, 2, 1]
-    assert round_count(9, 2) == 5
+def test_rounds_before_counts_rounds_of_sync_every_and_a_short_last_one() -> None:
+    assert [rounds_before(s, 4) for s in (0, 4, 8, 10)] == [0, 1, 2, 3]
+    assert rounds_before(5, 2) == 3
 
 
 def _continued(trainer: RoundTrainer, steps: int) -> RoundTrainer:
@@ -231,37 +233,66 @@ def _copy_adam(state: TrainState):
     return opt
 
 
-def test_a_finished_run_continues_with_a_short_first_round_then_the_grid() -> None:
-    # A 6-step run of H = 4 ends after a short round (steps 4..5); continued to 13 its
-    # rounds are [6, 8) (rest of window 1), [8, 12), [12, 13).
+def test_a_continued_run_starts_its_rounds_where_the_last_one_ended() -> None:
+    # A 6-step run of H = 4 ends after a short round (steps 4..5); continued to 13, its
+    # rounds start at step 6 and take the lengths named: 4, then the 3 left.
     run = _run(6, 4)
     first = {p: RoundTrainer(TrainState.fresh(run), 4) for p in ("a", "b")}
-    for r in range(round_count(6, 4)):
+    for r in range(2):
         _group_round(first, r)
     assert first["a"].inner_steps == 6 and first["a"].step == 2
     more = {p: _continued(t, 13) for p, t in first.items()}
     start = more["a"].state.params.copy()
-    assert more["a"].step == 1 and [more["a"].steps_in(r) for r in (1, 2, 3)] == [2, 4, 1]
+    assert more["a"].step == 2  # rounds_before: as if every round had been H
     seen: list[int] = []
-    c = more["a"].contribute(1, lambda i: (seen.append(i), _batches("a")(i))[1])
-    assert seen == [6, 7]  # the batches of the inner steps it takes, not of window 1's start
+    c = more["a"].contribute(2, lambda i: (seen.append(i), _batches("a")(i))[1], 4)
+    assert seen == [6, 7, 8, 9]  # the batches of the inner steps it takes
     assert np.array_equal(more["a"].state.params, start)  # contribute copies
-    log = [(("a", "b"), _group_round(more, 1))]
-    assert {t.inner_steps for t in more.values()} == {8}
-    # a member that joins at the next boundary (step 8) lays out the same rounds
-    late = _continued(more["a"], 13)
-    assert late.step == more["a"].step == 2 and late.weight_hash() == more["a"].weight_hash()
+    log = [(("a", "b"), _group_round(more, 2))]
+    assert {t.inner_steps for t in more.values()} == {10}
+    # a member that joins at the next boundary takes the group's round count
+    late = RoundTrainer(TrainState(more["a"].state.run, more["a"].state.params.copy(),
+                                   _copy_adam(more["a"].state)), 4, rounds_done=3)
+    assert late.weight_hash() == more["a"].weight_hash()
     trio = {**more, "c": late}
-    for r in (2, 3):
-        log.append((("a", "b", "c"), _group_round(trio, r)))
+    log.append((("a", "b", "c"), _group_round(trio, 3)))
     hashes = {t.weight_hash() for t in trio.values()}
     assert len(hashes) == 1 and {t.inner_steps for t in trio.values()} == {13}
-    assert {t.step for t in trio.values()} == {round_count(13, 4)}
-    # the shared state after a round counts the steps up to its window's end, so the
-    # oracle needs only the first round's index
-    assert replay_rounds(start, log, sync_every=4, total_steps=13,
-                         first_round=1)[-1] == hashes.pop()
+    assert {t.step for t in trio.values()} == {4}
+    assert replay_rounds(start, log, lengths=[4, 3], first_round=2,
+                         first_step=6)[-1] == hashes.pop()
     assert c.vector.shape == start.shape
+
+
+def test_rounds_of_the_lengths_the_leader_names_stay_identical_and_replay() -> None:
+    """Rounds of 2, 5, 3 and 2 steps (``protocol.pace`` lengthens and shortens them):
+    members identical at every boundary, the oracle fed the lengths gives the same
+    hashes, and a member that took another length than the group's forks."""
+    run = _run(12, 2)
+    trainers = {p: RoundTrainer(TrainState.fresh(run), 2) for p in "ab"}
+    odd = RoundTrainer(TrainState.fresh(run), 2)
+    start = trainers["a"].state.params.copy()
+    lengths = [2, 5, 3, 2]
+    log, hashes = [], []
+    for r, n in enumerate(lengths):
+        got = {}
+        for p, t in trainers.items():
+            c = t.contribute(r, _batches(p), n)
+            t.stage(c)
+            got[p] = c.vector
+        c = odd.contribute(r, _batches("a"), n + (r == 1))
+        odd.stage(c)
+        mean = average_in_roster_order([got[p] for p in trainers])
+        for t in (*trainers.values(), odd):
+            t.apply(mean)
+        assert len({t.weight_hash() for t in trainers.values()}) == 1
+        hashes.append(trainers["a"].weight_hash())
+        log.append((("a", "b"), got))
+        assert (odd.weight_hash() == hashes[-1]) == (r == 0)
+    assert trainers["a"].inner_steps == 12 and trainers["a"].step == 4
+    assert replay_rounds(start, log, lengths=lengths) == hashes
+    with pytest.raises(ValueError, match="no length for round 3"):
+        replay_rounds(start, log, lengths=lengths[:3])
 
 
 def test_rounds_need_sync_every_of_two_or_more() -> None:
@@ -275,7 +306,7 @@ def test_lockstep_trainer_is_the_plain_step() -> None:
     start = t.state.params.copy()
     grads = []
     for i in range(3):
-        c = t.contribute(i, _batches("a"))
+        c = t.contribute(i, _batches("a"), _n(t))
         grads.append((("a",), {"a": c.vector}))
         t.apply(average_in_roster_order([c.vector]))
     assert replay_hashes(start, run.adam(), grads)[-1] == t.weight_hash()
@@ -292,7 +323,7 @@ def _reference_round(run: RunConfig, anchor: np.ndarray, inner: dict, base: np.n
     opt.load_state_dict(inner)
     w = base.copy()
     first = r * run.sync_every
-    n = round_length(r, run.steps, run.sync_every)
+    n = min(run.sync_every, run.steps - first)
     for j in range(n):
         if j == k:
             w = anchor - (base - w)
@@ -308,7 +339,7 @@ def test_a_head_start_is_k_steps_from_the_own_weights_moved_onto_the_anchor(k: i
     trainers = {p: RoundTrainer(TrainState.fresh(run), 4) for p in "ab"}
     previous = {}
     for p, t in trainers.items():
-        previous[p] = t.contribute(0, _batches(p))
+        previous[p] = t.contribute(0, _batches(p), _n(t))
         t.stage(previous[p])
     # The head start of round 1 runs before round 0 commits (the anchor is not known).
     heads = {p: t.head_start(1, _batches(p), previous[p], k) for p, t in trainers.items()}
@@ -318,45 +349,58 @@ def test_a_head_start_is_k_steps_from_the_own_weights_moved_onto_the_anchor(k: i
     for p, t in trainers.items():
         head = heads[p]
         assert head is not None and head.index == 1 and head.steps == k
-        c = t.contribute(1, _batches(p), head)
+        c = t.contribute(1, _batches(p), _n(t), head)
         # Its arrays were taken over, not copied; a second use is refused.
         assert head.progress is None and head.inner is None
         with pytest.raises(ValueError, match="already used"):
-            t.contribute(1, _batches(p), head)
+            t.contribute(1, _batches(p), _n(t), head)
         delta, inner = _reference_round(run, t.state.params, previous[p].inner,
                                         previous[p].local, 1, k, p)
         assert np.array_equal(c.vector, delta)
         assert np.array_equal(c.inner["m"], inner["m"]) and np.array_equal(c.inner["v"], inner["v"])
         assert c.inner["step"] == inner["step"] == 8
         # Without the head start the round is a different (and the plain) computation.
-        plain = t.contribute(1, _batches(p))
+        plain = t.contribute(1, _batches(p), _n(t))
         assert not np.array_equal(plain.vector, c.vector)
 
 
 def test_a_head_start_of_another_round_is_not_used() -> None:
     run = _run(12, 4)
     t = RoundTrainer(TrainState.fresh(run), 4)
-    c0 = t.contribute(0, _batches("a"))
+    c0 = t.contribute(0, _batches("a"), _n(t))
     t.stage(c0)
     head = t.head_start(1, _batches("a"), c0, 2)
     t.apply(c0.vector)
-    c1 = t.contribute(1, _batches("a"), head)
+    c1 = t.contribute(1, _batches("a"), _n(t), head)
     t.stage(c1)
     t.apply(c1.vector)
-    stale = t.contribute(2, _batches("a"), head)  # round 1's head start, offered for 2
-    assert np.array_equal(stale.vector, t.contribute(2, _batches("a")).vector)
+    stale = t.contribute(2, _batches("a"), _n(t), head)  # round 1's head start, offered for 2
+    assert np.array_equal(stale.vector, t.contribute(2, _batches("a"), _n(t)).vector)
 
 
-def test_no_head_start_without_a_round_left_or_from_another_round() -> None:
-    run = _run(9, 4)  # rounds of 4, 4, 1 steps
+def test_a_head_start_starts_where_the_last_contribution_ended() -> None:
+    run = _run(9, 4)
     t = RoundTrainer(TrainState.fresh(run), 4)
-    c0 = t.contribute(0, _batches("a"))
+    c0 = t.contribute(0, _batches("a"), 3)  # a round of 3
+    seen: list[int] = []
+    head = t.head_start(1, lambda i: (seen.append(i), _batches("a")(i))[1], c0, 2)
+    assert head is not None and head.steps == 2 and seen == [3, 4]
     assert t.head_start(2, _batches("a"), c0, 2) is None  # c0 is not round 1's
-    c1 = t.contribute(1, _batches("a"))
-    assert t.head_start(2, _batches("a"), c1, 2).steps == 1  # round 2 has one step
-    assert t.head_start(1, _batches("a"), c0, 9).steps == 4  # at most the whole round
     assert t.head_start(1, _batches("a"), c0, 0) is None  # no overlap asked
-    assert t.head_start(3, _batches("a"), c1, 2) is None  # no round 3
+
+
+def test_a_head_start_longer_than_the_round_is_not_used() -> None:
+    """A roster naming a round shorter than the head start its members took (which
+    ``protocol.pace`` never does) gets the round computed whole from the anchor."""
+    run = _run(12, 2)
+    t = RoundTrainer(TrainState.fresh(run), 2)
+    c0 = t.contribute(0, _batches("a"), 2)
+    t.stage(c0)
+    head = t.head_start(1, _batches("a"), c0, 3)
+    t.apply(c0.vector)
+    c1 = t.contribute(1, _batches("a"), 2, head)
+    assert c1.head_steps == 0 and c1.steps == 2 and c1.inner["step"] == 4
+    assert np.array_equal(c1.vector, t.contribute(1, _batches("a"), 2).vector)
 
 
 @pytest.mark.parametrize("k", [2, 4])  # 4: whole rounds, each applied a round later
@@ -372,7 +416,7 @@ def test_head_starts_keep_members_identical_and_equal_to_replay(k: int) -> None:
         contributions = {}
         for p, t in trainers.items():
             head = t.head_start(r, _batches(p), previous[p], k) if p in previous else None
-            c = t.contribute(r, _batches(p), head)
+            c = t.contribute(r, _batches(p), _n(t), head)
             t.stage(c)
             previous[p] = contributions[p] = c
         mean = average_in_roster_order([contributions[p].vector for p in trainers])
@@ -381,4 +425,4 @@ def test_head_starts_keep_members_identical_and_equal_to_replay(k: int) -> None:
         assert len({t.weight_hash() for t in trainers.values()}) == 1
         hashes.append(trainers["a"].weight_hash())
         rounds.append((list(trainers), {p: c.vector for p, c in contributions.items()}))
-    assert replay_rounds(start, rounds, sync_every=4, total_steps=12) == hashes
+    assert replay_rounds(start, rounds, lengths=[4, 4, 4]) == hashes

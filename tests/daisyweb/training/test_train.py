@@ -57,8 +57,8 @@ def test_compute_float_trains_with_float_gemms_and_travels_with_the_run(tmp_path
     ga, gb = a.gradient(batch)[1], b.gradient(batch)[1]
     assert np.array_equal(gb, loss_and_grad(model, b.params, batch, quantized=False)[1])
     assert not np.array_equal(ga, gb)
-    rounds = dataclasses.replace(flt, sync_every=2, codec="int8", overlap=0)
-    c = RoundTrainer(TrainState.fresh(rounds), 2).contribute(0, _fixed_batch)
+    rounds = dataclasses.replace(flt, sync_every=2, codec="int8", overlap=0, sync_max=2)
+    c = RoundTrainer(TrainState.fresh(rounds), 2).contribute(0, _fixed_batch, 2)
     w = TrainState.fresh(rounds)
     for j in range(2):  # the round written out with float gradients
         w.optimizer.step(w.params, loss_and_grad(model, w.params, _fixed_batch(j),
