@@ -14,7 +14,7 @@ from types import SimpleNamespace
 from daisyweb.data import default_tokenizer
 from daisyweb.model import ModelConfig
 from daisyweb.peer.options import PeerOptions
-from daisyweb.peer.report import Report
+from daisyweb.peer.report import Report, round_note
 from daisyweb.protocol.actions import Commit
 from daisyweb.training.config import RunConfig
 from daisyweb.training.state import TrainState
@@ -35,7 +35,7 @@ def _state(sync_every: int, steps: int = 64) -> TrainState:
     model = ModelConfig(vocab=default_tokenizer().vocab_size, width=16, layers=1, heads=2,
                         seq=16)
     run = RunConfig(model=model, batch=2, steps=steps, lr=0.01, seed=3, sync_every=sync_every,
-                    codec="int8" if sync_every > 1 else "f32")
+                    codec="int8" if sync_every > 1 else "f32", sync_max=sync_every)
     return TrainState.fresh(run)
 
 
@@ -47,9 +47,9 @@ def _report(tmp: Path, eval_every: int = 0) -> Report:
 
 async def _commit(report: Report, state: TrainState, index: int, inner: int,
                   sink: Sink) -> None:
-    trainer = SimpleNamespace(inner_steps=(index + 1) * inner, steps_in=lambda _i: inner)
-    c = Commit(index, ("0a", "0b"), 3.25, "ab" * 32, "cd" * 32)
-    await report.commit(c, trainer, state, SimpleNamespace(bytes_sent=0), 2, sink)
+    trainer = SimpleNamespace(inner_steps=(index + 1) * inner)
+    c = Commit(index, ("0a", "0b"), 3.25, "ab" * 32, "cd" * 32, length=inner, need=inner // 2)
+    await report.commit(c, trainer, state, SimpleNamespace(bytes_sent=0), sink)
 
 
 async def test_round_reports_carry_mode_round_comm_share_and_heldout(tmp_path: Path) -> None:
@@ -64,6 +64,8 @@ async def test_round_reports_carry_mode_round_comm_share_and_heldout(tmp_path: P
     first, second = sink.decoded
     assert (first["mode"], first["round"], first["step"]) == ("rounds H=32 int8", 1, 32)
     assert second["round"] == 2 and 0.0 <= first["comm_share"] <= 1.0
+    # the round's length and the exchange the leader chose it for (protocol.pace)
+    assert (first["round_steps"], first["exchange_steps"]) == (32, 16)
     assert first["heldout_loss"] > 0 and second["heldout_loss"] > 0  # evaluated, in range
     assert first["state"] == "training"
     await report.finish((0, "done"), state, "ef" * 32, sink)
@@ -82,7 +84,7 @@ async def test_lockstep_report_without_evaluation_has_no_heldout(tmp_path: Path)
     await _commit(report, state, 0, 1, sink)
     (msg,) = sink.decoded
     assert (msg["mode"], msg["round"], msg["comm_share"]) == ("lockstep f32", 1, 1.0)
-    assert "heldout_loss" not in msg
+    assert "heldout_loss" not in msg and "round_steps" not in msg
     report.close()
 
 
@@ -177,3 +179,13 @@ def test_hardware_info_reads_the_cpu_model_and_cleans_it(tmp_path: Path) -> None
     assert hardware_info(info)["cpu"] == "Old Box CPU @ 1.2GHz"
     info.write_text("processor\t: 0\nmodel name\t: " + "x" * 500 + "\n")
     assert len(hardware_info(info)["cpu"]) == protocol.MAX_CPU_CHARS
+
+
+def test_the_progress_line_says_how_long_a_round_is_and_why() -> None:
+    def note(step: int, length: int, need: int, remaining: int) -> str:
+        c = Commit(step, ("0a",), 1.0, "ab" * 32, "cd" * 32, length=length, need=need)
+        return round_note(c, remaining, 16)
+
+    assert note(0, 16, 3, 48) == "round 1/4"  # the shortest round: nothing to explain
+    assert note(4, 40, 37, 80) == "round 5/7  40 steps (exchange 37)"
+    assert note(6, 7, 2, 0) == "round 7/7"  # the run's short last round

@@ -85,7 +85,9 @@ def test_demo_group_of_three_ends_with_one_weight_hash(tmp_path) -> None:
     records = [json.loads(x) for x in metrics.read_text().splitlines()]
     # rounds of 2 local steps (the last one short): one record per round
     assert [(r["round"], r["step"]) for r in records[:-1]] == [(1, 2), (2, 3)]
-    assert {r["mode"] for r in records[:-1]} == {f"rounds H=2 {DEFAULTS['codec']}"}
+    # the leader may lengthen rounds up to 4x (--sync-max); 3 steps leave it no room
+    assert {r["mode"] for r in records[:-1]} == {f"rounds H=2-8 {DEFAULTS['codec']}"}
+    assert [r["round_steps"] for r in records[:-1]] == [2, 1]
     assert len(records[0]["roster"]) == 3
     assert records[-2]["weight_hash"].startswith(finals[0][1])
     # the demo evaluates by default (every 48 steps and the last): a held-out curve

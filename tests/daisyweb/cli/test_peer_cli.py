@@ -36,7 +36,12 @@ S = ["--server", "http://127.0.0.1:9"]
         ([*S, "--start", "--batch", "2147483649"], "positive integer"),
         ([*S, "--start", "--width", "30", "--heads", "4"], "not divisible"),
         ([*S, "--start", "--seed", "-2"], ">= 0"),
-        ([*S, "--start", "--sync-every", "8", "--overlap", "9"], "at most --sync-every 8"),
+        ([*S, "--start", "--sync-every", "8", "--sync-max", "8", "--overlap", "9"],
+         "at most --sync-max 8"),
+        ([*S, "--start", "--sync-every", "8", "--overlap", "33"], "at most --sync-max 32"),
+        ([*S, "--start", "--sync-every", "8", "--sync-max", "7"], "at least --sync-every 8"),
+        ([*S, "--start", "--sync-every", "1", "--sync-max", "2"], "1 in lockstep"),
+        ([*S, "--sync-max", "32"], "needs --start"),
         ([*S, "--start", "--sync-every", "1", "--overlap", "1"], "0 in lockstep"),
         ([*S, "--save-every", "5"], "needs --save"),
         ([*S, "--join-timeout", "0"], "positive number"),
@@ -84,7 +89,12 @@ def test_good_flags() -> None:
     opts = options_from_args(a)
     assert opts.model == {"width": 16, "layers": peer.DEFAULTS["layers"], "heads": 2, "seq": 64}
     whole = peer.parse_args([*S, "--start", "--sync-every", "8", "--overlap", "8"])
-    assert (whole.sync_every, whole.overlap) == (8, 8)  # the whole round overlaps
+    assert (whole.sync_every, whole.sync_max, whole.overlap) == (8, 32, 8)
+    paced = peer.parse_args([*S, "--start", "--sync-every", "8"])
+    assert (paced.sync_max, paced.overlap) == (32, 32)  # up to the longest round, whole
+    fixed = peer.parse_args([*S, "--start", "--sync-every", "8", "--sync-max", "8"])
+    assert (fixed.sync_max, fixed.overlap) == (8, 8)
+    assert options_from_args(fixed).sync_max == 8
     f = peer.parse_args([*S, "--room", "abcd", "--name", "x"])
     assert not f.start and f.width is None and options_from_args(f).model is None
 

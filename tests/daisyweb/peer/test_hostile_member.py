@@ -21,7 +21,7 @@ SLOW = {"DAISYWEB_TEST_STEP_DELAY": "0.15"}
 
 
 def _run(codec: str = "int4", steps: int = 24) -> list[str]:
-    return [*TINY, "--sync-every", "2", "--codec", codec, "--steps", str(steps),
+    return [*TINY, "--sync-every", "2", "--sync-max", "2", "--codec", codec, "--steps", str(steps),
             "--wait-peers", "3"]
 
 

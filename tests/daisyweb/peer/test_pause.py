@@ -28,7 +28,8 @@ from tests.daisyweb.peer.test_run import (
 __all__ = ["group", "server"]  # the fixtures, shared with test_run
 
 # Rounds of 2 local steps, each slowed so the run outlasts a 10 s pause and a rejoin.
-RUN = [*TINY, "--sync-every", "2", "--codec", "int8", "--steps", "100", "--wait-peers", "4"]
+RUN = [*TINY, "--sync-every", "2", "--sync-max", "2", "--codec", "int8", "--steps", "100",
+       "--wait-peers", "4"]
 SLOW = {"DAISYWEB_TEST_STEP_DELAY": "0.3"}
 PAUSE_S = 10.0
 

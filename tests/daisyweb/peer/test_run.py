@@ -22,6 +22,7 @@ import time
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pytest
@@ -45,7 +46,8 @@ ROOT = Path(__file__).resolve().parents[3]
 TINY = ["--width", "16", "--layers", "1", "--heads", "2", "--seq", "16", "--batch", "2",
         "--lr", "0.01", "--seed", "3"]
 MODEL = [*TINY, "--sync-every", "1", "--codec", "f32"]  # lockstep: one gradient per step
-ROUNDS = [*TINY, "--sync-every", "2", "--codec", "int8"]  # rounds of 2 local steps, int8
+# rounds of 2 local steps (the leader never lengthens them: --sync-max), int8
+ROUNDS = [*TINY, "--sync-every", "2", "--sync-max", "2", "--codec", "int8"]
 TIMEOUT = 120.0
 
 
@@ -829,17 +831,18 @@ def round_oracle(g: Group, peer: Peer, start: Checkpoint | None = None) -> list[
         i = r["round"] - 1
         spec.append((r["roster"], {q: np.load(g.grads / f"{q}-{i}.npy") for q in r["roster"]},
                      r.get("shares", ())))
-    first = peer.steps()[0]["round"] - 1
-    if start is not None:
-        run_ = RunConfig.from_checkpoint(start)
-        return replay_rounds(start.params, spec, sync_every=run_.sync_every,
-                             total_steps=run_.steps, first_round=first)
-    tiny = tiny_run()
-    # a finished run's last round may be short; a run cut short had full rounds
-    total = (peer.end()["step"] if peer.end()["end"] == "done"
-             else max(peer.steps()[-1]["step"], 2 * len(spec)))
-    return replay_rounds(init_params(tiny.model, tiny.seed), spec, sync_every=2,
-                         total_steps=total, first_round=first)
+    params = start.params if start is not None else init_params(tiny_run().model,
+                                                                 tiny_run().seed)
+    return replay_rounds(params, spec, **paced(peer.steps()))
+
+
+def paced(records: list[dict]) -> dict[str, Any]:
+    """Where a peer's recorded rounds start and how long each was, as the leader named
+    them (``protocol.pace``): the replay oracle's ``first_round``, ``first_step`` and
+    ``lengths``."""
+    first = records[0]
+    return {"first_round": first["round"] - 1, "first_step": first["step"] - first["round_steps"],
+            "lengths": [r["round_steps"] for r in records]}
 
 
 @pytest.mark.parametrize("codec", ["int8", "int4", "int2", "sparse"])
@@ -946,18 +949,10 @@ def owned_round_oracle(g: Group, peer: Peer, start: Checkpoint | None = None) ->
         i = r["round"] - 1
         payloads = {q: (g.grads / f"{q}-{i}.bin").read_bytes() for q in r["roster"]}
         spec.append((r["roster"], tuple(r.get("owners", ())), payloads, r.get("shares", ())))
-    first = peer.steps()[0]["round"] - 1
     codec = codec_by_name(peer.steps()[0]["codec"])
-    if start is not None:
-        run_ = RunConfig.from_checkpoint(start)
-        return replay_owned_rounds(start.params, spec, codec, sync_every=run_.sync_every,
-                                   total_steps=run_.steps, first_round=first)
-    tiny = tiny_run()
-    # a finished run's last round may be short; a run cut short had full rounds
-    total = (peer.end()["step"] if peer.end()["end"] == "done"
-             else max(peer.steps()[-1]["step"], 2 * len(spec)))
-    return replay_owned_rounds(init_params(tiny.model, tiny.seed), spec, codec,
-                               sync_every=2, total_steps=total, first_round=first)
+    params = start.params if start is not None else init_params(tiny_run().model,
+                                                                 tiny_run().seed)
+    return replay_owned_rounds(params, spec, codec, **paced(peer.steps()))
 
 
 def test_rounds_eight_peers_on_the_owner_exchange_equal_to_replay(group: Group) -> None:
@@ -1062,8 +1057,8 @@ def test_rounds_finished_run_trains_on_to_a_larger_steps(group: Group) -> None:
     spec = [(r["roster"], {q: np.load(g2.grads / f"{q}-{r['round'] - 1}.npy")
                            for q in r["roster"]}, r.get("shares", ())) for r in lead2.steps()]
     hashes = same_hashes(lead2, b2)
-    assert hashes == replay_rounds(start.params, spec, sync_every=2, total_steps=9,
-                                   first_round=2)
+    assert hashes == replay_rounds(start.params, spec, **paced(lead2.steps()))
+    assert paced(lead2.steps()) == {"first_round": 2, "first_step": 4, "lengths": [2, 2, 1]}
     assert {p.end()["weight_hash"] for p in (lead2, b2)} == {hashes[-1]}
     saved = load_checkpoint(more)
     assert saved.step == 9 and saved.run["steps"] == 9 and saved.run["seed"] == 3
@@ -1074,7 +1069,8 @@ def test_rounds_finished_run_trains_on_to_a_larger_steps(group: Group) -> None:
 # the contributions are weighted by those counts in roster order. The pool view's link
 # round-trip times come from the same real peers.
 
-CAPACITY = [*TINY[:8], "--batch", "4", *TINY[10:], "--sync-every", "4", "--codec", "int8"]
+CAPACITY = [*TINY[:8], "--batch", "4", *TINY[10:], "--sync-every", "4", "--sync-max", "4",
+            "--codec", "int8"]
 
 
 def _room_view(leader: Peer) -> dict:
@@ -1130,11 +1126,11 @@ def test_capacity_gives_a_slowed_peer_a_smaller_share(group: Group) -> None:
     spec = [(r["roster"], {q: np.load(group.grads / f"{q}-{r['round'] - 1}.npy")
                            for q in r["roster"]}, r["shares"]) for r in steps]
     start = init_params(tiny_run().model, 3)
-    assert hashes == replay_rounds(start, spec, sync_every=4, total_steps=32)
+    assert hashes == replay_rounds(start, spec, lengths=[4] * 8)
     assert {lead.end()["weight_hash"], slow.end()["weight_hash"]} == {hashes[-1]}
     # ...and not to one that averages them plainly: the weights mattered
     plain = [(roster, deltas) for roster, deltas, _ in spec]
-    assert replay_rounds(start, plain, sync_every=4, total_steps=32)[-1] != hashes[-1]
+    assert replay_rounds(start, plain, lengths=[4] * 8)[-1] != hashes[-1]
     # each peer's own records say its share
     mine = {r["step"]: r["share"] for r in slow.steps()}
     assert any(mine[r["step"]] < 0.5 for r in steps[1:])
@@ -1183,37 +1179,45 @@ async def test_a_head_start_over_another_share_is_dropped() -> None:
 async def test_a_head_start_runs_ahead_as_far_as_the_roster_says_within_the_runs_overlap(
         ) -> None:
     """Every member runs the next round's first steps ahead as far as the last roster
-    named (the leader's measurement, ``training.overlap``), at most the run's overlap and
-    the round; a roster of another round names none."""
+    named (the leader's measurement, ``protocol.pace``), at most the run's overlap and
+    the steps the run has left after the round before; a roster of another round names
+    none."""
     from types import SimpleNamespace
 
     from daisyweb.peer.driver import Driver
+    from daisyweb.protocol.pace import Bounds
     from daisyweb.training.overlap import OverlapGauge
     from daisyweb.training.rounds import RoundTrainer
 
     asked: list[int] = []
     trainer = RoundTrainer.__new__(RoundTrainer)
-    trainer.steps_in = lambda index: 8  # type: ignore[method-assign]
     trainer.head_start = lambda index, batch, previous, steps: asked.append(steps)  # type: ignore[method-assign]
     driver = Driver.__new__(Driver)
-    driver.state = SimpleNamespace(run=SimpleNamespace(overlap=6, sync_every=8))
+    driver.state = SimpleNamespace(run=SimpleNamespace(overlap=6, sync_every=8, sync_max=32,
+                                                       steps=40))
     driver.trainer, driver.rows = trainer, 4
     driver.feed = SimpleNamespace(run=SimpleNamespace(batch=4), batch=lambda i: None)
     driver.report = SimpleNamespace(head_started=lambda i: None,
                                     head_finished=lambda *a: None)
-    for named, want in (((4, 3), [3]), ((4, 7), [6]), ((3, 3), []), ((4, 0), [])):
+    machine = SimpleNamespace(bounds=Bounds(8, 32, 6))
+    for named, ended, want in (((4, 3), 16, [3]), ((4, 7), 16, [6]), ((3, 3), 16, []),
+                               ((4, 0), 16, []), ((4, 9), 37, [3]), ((4, 9), 40, [])):
         asked.clear()
         driver.head, driver.ahead = None, named
-        driver._start_head(SimpleNamespace(total_steps=10), 5, None)
+        previous = SimpleNamespace(inner={"step": ended})  # round 4 ended at step `ended`
+        driver._start_head(machine, 5, previous)
         if driver.head is not None:
             await driver.head.future
-        assert asked == want, named
-    # Leading: what the next roster names follows the measured exchange.
+        assert asked == want, (named, ended)
+    # What this member publishes follows its measured exchange, up to the longest round.
     driver.overlap = OverlapGauge()
     driver.machine = SimpleNamespace(ahead=0)
     driver.overlap.ready(3, now=1.0, compute_s=1.0, steps=8)  # 0.125 s a step
     driver._measure_overlap(3, now=1.25)  # a 0.25 s exchange: 2 steps, and a quarter
     assert driver.machine.ahead == 3
+    driver.overlap.ready(4, now=2.0, compute_s=1.0, steps=8)
+    driver._measure_overlap(4, now=7.0)  # a 5 s exchange: 40 steps, and a quarter; at most 32
+    assert driver.machine.ahead == 32
 
 
 # --------------------------------------------------------------------------- TURN
