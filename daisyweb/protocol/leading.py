@@ -244,9 +244,12 @@ class Leader:
         needs = m.hash_check.book.ahead.get(b, {})
         need = max([m.ahead, *(needs.get(p, 0) for p in members)])
         last = m.ledger.get(b - 1)
-        # Unknown (we took over without it): as long as any head start may be.
-        named = last.pace.ahead if last is not None and last.roster is not None \
-            else m.bounds.overlap
+        if b == m.started_at:
+            named = 0  # the run's first round: nothing ran ahead into it
+        elif last is not None and last.roster is not None:
+            named = last.pace.ahead
+        else:  # unknown (we joined at b and lead now): as long as any head start may be
+            named = m.bounds.overlap
         started = m.bounds.head_start(named, m.remaining)
         return m.bounds.choose(need, started, m.remaining)
 

@@ -156,6 +156,8 @@ class StepMachine:
         # Who leads, in which term, confirmed by whom (``election``). The leader a peer
         # starts with is confirmed: the run's starter, or the one a joiner's majority named.
         self.leadership = Leadership(self_id, leader, term)
+        # The boundary a run's starter names its first roster at: nobody ran ahead into it.
+        self.started_at = replica.step if leader == self_id else None
         # A new leader that no majority declared (and that names us no roster) within
         # this many seconds: this peer is cut off and rejoins.
         self.election_timeout = election_timeout
