@@ -13,6 +13,7 @@ import asyncio
 import itertools
 import json
 import os
+import re
 import signal
 import socket
 import struct
@@ -878,6 +879,26 @@ def test_rounds_three_peers_identical_at_every_boundary_equal_to_replay(group: G
     assert payload < 4 * size * {"int8": 0.26, "int4": 0.15, "int2": 0.08,
                                  "sparse": 0.045}[codec]
     assert lead.steps()[-1]["bytes_sent"] == 4 * payload
+
+
+def test_rounds_the_leader_lengthens_for_the_exchange_stay_identical_and_replay(
+        group: Group) -> None:
+    """--sync-every 2 --sync-max 8: on loopback a tiny model's step takes far less than an
+    exchange, so the leader names longer rounds (``protocol.pace``). Every member trains
+    the lengths named, the boundaries agree, and the oracle fed those lengths gives the
+    group's hashes; the progress line says why a round is long."""
+    paced_run = [*TINY, "--sync-every", "2", "--sync-max", "8", "--codec", "int8"]
+    lead = group.leader(*paced_run, "--steps", "40", "--wait-peers", "2")
+    a = group.spawn("a")
+    assert [p.wait() for p in (lead, a)] == [0, 0], group.logs()
+    lengths = [r["round_steps"] for r in lead.steps()]
+    assert lengths[0] == 2 and max(lengths) > 2 and all(n <= 8 for n in lengths), lengths
+    assert sum(lengths) == 40 and [r["round_steps"] for r in a.steps()] == lengths
+    assert all(r["mode"] == "rounds H=2-8 int8" for r in lead.steps())
+    assert re.search(r"round \d+/\d+  \d+ steps \(exchange \d+\)", lead.log.read_text())
+    hashes = same_hashes(lead, a)
+    assert hashes == round_oracle(group, lead)
+    assert {p.end()["weight_hash"] for p in (lead, a)} == {hashes[-1]}
 
 
 def test_rounds_float_compute_group_identical_at_every_boundary_equal_to_replay(

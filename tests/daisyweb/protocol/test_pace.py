@@ -11,7 +11,7 @@ import pytest
 from daisyweb.protocol import wire
 from daisyweb.protocol.deadline import FLOOR_S, MEDIAN_FACTOR, MIN_SAMPLES, Deadline
 from daisyweb.protocol.pace import Bounds, Pace
-from daisyweb.protocol.sync import Commit, Compute, Finish, Send, Stopped, StepMachine
+from daisyweb.protocol.sync import Commit, Compute, Finish, Send, StepMachine, Stopped
 
 SIZE = 5
 PROBE = "aa" * 16
@@ -76,7 +76,8 @@ class PacedReplica:
 class Pair:
     """A leader and a follower whose exchanges need the steps the test sets."""
 
-    def __init__(self, total: int, bounds: Bounds = Bounds(2, 8, 8)) -> None:
+    def __init__(self, total: int) -> None:
+        bounds = Bounds(2, 8, 8)
         self.reps = {p: PacedReplica() for p in "ab"}
         self.machines = {
             "a": StepMachine("a", self.reps["a"], total, lambda: PROBE, leader="a",
