@@ -180,7 +180,8 @@ class Group:
                "--approve", "auto", "--metrics", str(metrics),
                "--join-timeout", f"{self.join_timeout:g}"]
         if lead:
-            cmd += ["--start", *MODEL, "--steps", str(self.steps),
+            # rounds of exactly H: the budget and the tables count rounds
+            cmd += ["--start", *MODEL, "--steps", str(self.steps), "--sync-max", str(H),
                     "--wait-peers", str(wait_peers)]
         with open(log, "wb") as f:
             # A session of its own: a Ctrl-C on the terminal reaches this script only,

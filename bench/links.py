@@ -43,8 +43,10 @@ from bench._results import machine, write_section
 from daisyweb.rules import DEFAULTS
 
 MODES = {
-    "int4, 2 ahead (the last default)": ["--codec", "int4", "--overlap", "2"],
-    "default": [],  # int2, as far ahead as the link needs, up to the whole round
+    "int4, 2 ahead (two defaults ago)": ["--codec", "int4", "--overlap", "2", "--sync-max", "16"],
+    "rounds of 16 (the last default)": ["--sync-max", "16"],  # int2, up to 16 ahead
+    # int2, rounds of 16 to 64 steps as the link needs, as far ahead as it needs
+    "default": [],
 }
 STEPS = 300
 EVAL_EVERY = 48  # every third round: an evaluation holds the event loop ~0.2 s
@@ -205,7 +207,7 @@ def one_peer(out: Path) -> tuple[float, float, float]:
     with signaling_server(out) as server:
         # Alone nothing is exchanged, so nothing to hide: no head start (whose length
         # would follow this machine's timing) keeps the baseline the same every run.
-        [p] = run_group(1, ["--overlap", "0"], server, [[]], ["127.0.0.1"], out / "one",
+        [p] = run_group(1, ["--overlap", "0", "--sync-max", "16"], server, [[]], ["127.0.0.1"], out / "one",
                         join=False, env=ENV)
     recs = [r for r in _records(p) if "round" in r]
     _, period = _steady(recs, "one peer")

@@ -44,7 +44,7 @@ from daisyweb.rules import DEFAULTS
 H = 8
 TINY = ["--width", "32", "--layers", "1", "--heads", "2", "--seq", "32", "--batch", "2",
         "--lr", "0.01", "--seed", "3", "--sync-every", str(H), "--codec", "int4",
-        "--capacity", "off", "--overlap", "0"]
+        "--capacity", "off", "--overlap", "0", "--sync-max", str(H)]
 CLK_TCK = 100  # os.sysconf("SC_CLK_TCK") on Linux
 
 

@@ -86,7 +86,7 @@ def two_peers(steps: int, sync_every: int, codec: str, tmp: Path, tag: str,
         base = peer_command(url, f"scale-{tag}", "tests.fault_peer")
         lead = base + ["--start", "--wait-peers", "2", "--steps", str(steps),
                        "--sync-every", str(sync_every), "--codec", codec,
-                       "--overlap", str(overlap),
+                       "--overlap", str(overlap), "--sync-max", str(sync_every),
                        "--metrics", str(metrics), "--save", str(ckpt), *extra]
         run_pinned([(lead, env), (base + ["--metrics", str(follower_metrics)], env)], tmp, tag)
     recs = [r for r in records(metrics) if "round" in r]
