@@ -207,8 +207,8 @@ def one_peer(out: Path) -> tuple[float, float, float]:
     with signaling_server(out) as server:
         # Alone nothing is exchanged, so nothing to hide: no head start (whose length
         # would follow this machine's timing) keeps the baseline the same every run.
-        [p] = run_group(1, ["--overlap", "0", "--sync-max", "16"], server, [[]], ["127.0.0.1"], out / "one",
-                        join=False, env=ENV)
+        [p] = run_group(1, ["--overlap", "0", "--sync-max", "16"], server, [[]],
+                        ["127.0.0.1"], out / "one", join=False, env=ENV)
     recs = [r for r in _records(p) if "round" in r]
     _, period = _steady(recs, "one peer")
     tokens = int(DEFAULTS["sync_every"]) * int(DEFAULTS["batch"]) * TOKENS_PER_SEQUENCE
