@@ -228,10 +228,10 @@ class FaultyDriver(Driver):
         trainer.apply = faulty_apply  # type: ignore[method-assign]
         self.encoder.encode = recording_encode  # type: ignore[method-assign]
 
-    async def _compute(self, step: int, sequences: int = 0) -> None:
+    async def _compute(self, step: int, length: int, sequences: int = 0) -> None:
         if self.hooks.step_delay:
             await asyncio.sleep(self.hooks.step_delay)
-        await super()._compute(step, sequences)
+        await super()._compute(step, length, sequences)
 
     # ---- the replay oracle's input: what every member decodes from our bytes
     async def _contribution_ready(self, m: Any, item: Any, now: float) -> None:

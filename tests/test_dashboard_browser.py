@@ -12,6 +12,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import math
+import re
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -62,8 +63,8 @@ async def reporter(
         extra = {"heldout_loss": loss + 0.5} if step % 10 == 0 else {}
         await ws.send_json(
             status(step, loss, "aaaa", tokens_per_s=1500, probe="ok", state="training",
-                   mode="rounds H=4 int8", round=step // 4 + 1, comm_share=0.25,
-                   transport="libwebrtc", **extra)
+                   mode="rounds H=4-16 int8", round=step // 4 + 1, comm_share=0.25,
+                   round_steps=12, exchange_steps=11, transport="libwebrtc", **extra)
         )
         step += 1
         await asyncio.sleep(0.05)
@@ -178,9 +179,12 @@ async def _drive(ctx: BrowserContext, room: Room, join, tmp_path: Path) -> None:
     await page.wait_for_function(
         "() => /^\\d\\.\\d{4} \\(step \\d+\\)$/.test("
         "document.getElementById('heldout').textContent)", timeout=10000)
-    assert await page.text_content("#mode") == "rounds H=4 int8"
+    assert await page.text_content("#mode") == "rounds H=4-16 int8"
     assert await page.text_content("#comm-share") == "25%"
-    assert int(await page.text_content("#round")) >= 1
+    # the newest round, its length and the exchange the leader chose it for
+    shown = re.fullmatch(r"(\d+) · 12 steps \(exchange 11\)",
+                         await page.text_content("#round"))
+    assert shown is not None and int(shown[1]) >= 1
     host_row = f'#members tr[data-peer="{host_id}"]'
     assert await page.text_content(host_row + " td.comm") == "25%"
     assert await page.text_content(host_row + " td.heldout") != "–"
