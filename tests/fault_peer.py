@@ -186,8 +186,8 @@ class FaultyDriver(Driver):
         return msg
 
     # ---- the trainer: a computation that raises or is slow, a weight that forks
-    def _make_replica(self, state: Any) -> None:
-        super()._make_replica(state)
+    def _make_replica(self, state: Any, boundary: int | None = None) -> None:
+        super()._make_replica(state, boundary)
         trainer, hooks = self.trainer, self.hooks
         contribute, apply, encode = trainer.contribute, trainer.apply, self.encoder.encode
 

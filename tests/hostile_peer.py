@@ -52,8 +52,8 @@ def _shift() -> None:
 
     real = rounds.RoundTrainer.contribute
 
-    def contribute(self: Any, index: int, batch: Any, head: Any = None) -> Any:
-        c = real(self, index, batch, head)
+    def contribute(self: Any, index: int, batch: Any, steps: int, head: Any = None) -> Any:
+        c = real(self, index, batch, steps, head)
         if 2 <= index <= 10:
             c = dataclasses.replace(c, vector=c.vector + np.float32(0.7))
         return c
