@@ -90,7 +90,7 @@ def test_peer_ids_with_control_characters_are_refused() -> None:
     for d in ({"type": "hello", "peer_id": "a\x1bb", "version": 1},
               {"type": "following", "leader": "\x1b[2J", "term": 0},
               {"type": "roster", "step": 0, "members": ["a", "b\n"], "shares": [], "term": 0,
-               "owners": [], "ahead": 0},
+               "owners": [], "ahead": 0, "length": 0},
               {"type": "repair_request", "step": 0, "sender_of_missing": "x\u202e"}):
         with pytest.raises(wire.WireError, match="peer id"):
             wire.decode(msgpack.packb(d, use_bin_type=True))

@@ -1056,7 +1056,8 @@ def test_rounds_resume_from_a_boundary_checkpoint(group: Group) -> None:
 
 def test_rounds_finished_run_trains_on_to_a_larger_steps(group: Group) -> None:
     # Rounds of 2 over 5 steps end with a short round (steps 4..5); resumed with
-    # --steps 9 the group first completes that window (5..6), then 6..8 and 8..9.
+    # --steps 9 the group goes on from step 5 in rounds of 2 (5..7, 7..9), numbered on
+    # from the 3 rounds the checkpoint's steps make (rounds.rounds_before).
     ck, more = group.tmp / "done.pt", group.tmp / "more.pt"
     lead = group.leader(*ROUNDS, "--steps", "5", "--wait-peers", "2", "--save", str(ck))
     a = group.spawn("a")
@@ -1073,13 +1074,13 @@ def test_rounds_finished_run_trains_on_to_a_larger_steps(group: Group) -> None:
     finally:
         g2.kill_all()
     for p in (lead2, b2):
-        assert [(r["round"], r["step"]) for r in p.steps()] == [(3, 6), (4, 8), (5, 9)]
+        assert [(r["round"], r["step"]) for r in p.steps()] == [(4, 7), (5, 9)]
         assert all(len(r["roster"]) == 2 for r in p.steps())
     spec = [(r["roster"], {q: np.load(g2.grads / f"{q}-{r['round'] - 1}.npy")
                            for q in r["roster"]}, r.get("shares", ())) for r in lead2.steps()]
     hashes = same_hashes(lead2, b2)
     assert hashes == replay_rounds(start.params, spec, **paced(lead2.steps()))
-    assert paced(lead2.steps()) == {"first_round": 2, "first_step": 4, "lengths": [2, 2, 1]}
+    assert paced(lead2.steps()) == {"first_round": 3, "first_step": 5, "lengths": [2, 2]}
     assert {p.end()["weight_hash"] for p in (lead2, b2)} == {hashes[-1]}
     saved = load_checkpoint(more)
     assert saved.step == 9 and saved.run["steps"] == 9 and saved.run["seed"] == 3
