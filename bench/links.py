@@ -78,6 +78,7 @@ class Result:
     heldout: float  # the group's held-out at the end
     join: tuple[float, float] | None = None  # admitted -> state taken, -> first commit
     head_steps: float = 0.0  # median head start of a member's rounds
+    round_steps: float = 0.0  # median length of the steady rounds
 
 
 def _spawn(name: str, cmd: list[str], prefix: list[str], core: int, out: Path,
@@ -161,13 +162,12 @@ def _records(p: Peer) -> list[dict]:
 
 def _steady(rounds: list[dict], what: str) -> tuple[list[dict], float]:
     """The steady rounds (not the first two: the start, a join; nor the short last) and
-    the median wall time between their commits: a round that recomputed a dropped head
-    start does not set it."""
+    the wall time from the first of their commits to the last (rounds differ in length
+    when the leader lengthens them, so their tokens over that time, not a median round)."""
     steady = rounds[2:-1]
     if len(steady) < 3:
         raise SystemExit(f"{what}: fewer than 6 rounds with every member")
-    periods = [b["time"] - a["time"] for a, b in zip(steady, steady[1:], strict=False)]
-    return steady, statistics.median(periods)
+    return steady, steady[-1]["time"] - steady[0]["time"]
 
 
 def summarize(mode: str, rate: float | None, n: int, peers: list[Peer], target: float,
@@ -177,7 +177,7 @@ def summarize(mode: str, rate: float | None, n: int, peers: list[Peer], target: 
     batch = int(DEFAULTS["batch"])
     tokens = sum((b["step"] - a["step"]) * batch * TOKENS_PER_SEQUENCE * n
                  for a, b in zip(steady, steady[1:], strict=False))
-    tps = tokens / (len(steady) - 1) / period
+    tps = tokens / period
     reached = next((r["time"] for r in lead if r.get("heldout_loss", 99.0) <= target), None)
     sent = []
     for p in peers:
@@ -191,7 +191,8 @@ def summarize(mode: str, rate: float | None, n: int, peers: list[Peer], target: 
              for r in [x for x in _records(p) if "round" in x][1:]]
     res = Result(mode, rate, n, tps, None if reached is None else reached - peers[0].started,
                  per_token, lead[-1].get("heldout_loss", float("nan")),
-                 head_steps=statistics.median(heads) if heads else 0.0)
+                 head_steps=statistics.median(heads) if heads else 0.0,
+                 round_steps=statistics.median(r["round_steps"] for r in steady[1:]))
     if join:
         joiner = peers[1]
         admitted, state = joiner.first(_JOINED), joiner.first(_STATE)
@@ -210,8 +211,9 @@ def one_peer(out: Path) -> tuple[float, float, float]:
         [p] = run_group(1, ["--overlap", "0", "--sync-max", "16"], server, [[]],
                         ["127.0.0.1"], out / "one", join=False, env=ENV)
     recs = [r for r in _records(p) if "round" in r]
-    _, period = _steady(recs, "one peer")
-    tokens = int(DEFAULTS["sync_every"]) * int(DEFAULTS["batch"]) * TOKENS_PER_SEQUENCE
+    steady, period = _steady(recs, "one peer")
+    tokens = (steady[-1]["step"] - steady[0]["step"]) * int(DEFAULTS["batch"]) \
+        * TOKENS_PER_SEQUENCE
     return tokens / period, recs[-1]["heldout_loss"], recs[-1]["time"] - p.started
 
 
@@ -249,8 +251,8 @@ def lockstep_bytes_per_token(n: int) -> float:
 def table(rows: list[Result], one: tuple[float, float, float]) -> list[str]:
     tps1, target, t1 = one
     out = ["| mode | uplink | peers | tokens/s (x one peer) | to one peer's 300-step "
-           "held-out | bytes sent per token (x fewer than lockstep f32) | median head "
-           "start | join: state / first round | held-out at 300 |",
+           "held-out | bytes sent per token (x fewer than lockstep f32) | median round "
+           "/ head start | join: state / first round | held-out at 300 |",
            "|---|---:|---:|---:|---:|---:|---:|---:|---:|"]
     out.append(f"| one peer | - | 1 | {tps1:,.0f} (1.00x) | {t1:.1f} s | - | - | - | "
                f"{target:.3f} |")
@@ -261,7 +263,8 @@ def table(rows: list[Result], one: tuple[float, float, float]) -> list[str]:
         out.append(
             f"| {r.mode} | {link} | {r.n} | {r.tokens_per_s:,.0f} ({r.tokens_per_s / tps1:.2f}x)"
             f" | {reach} | {r.bytes_per_token:.1f} "
-            f"({lockstep_bytes_per_token(r.n) / r.bytes_per_token:.0f}x) | {r.head_steps:g} | "
+            f"({lockstep_bytes_per_token(r.n) / r.bytes_per_token:.0f}x) | "
+            f"{r.round_steps:g} / {r.head_steps:g} | "
             f"{join} | {r.heldout:.3f} |")
     return out
 
@@ -298,7 +301,8 @@ def main(argv: Sequence[str] | None = None) -> None:
     lines = table(rows, one)
     modes_text = "; ".join(
         f"{m}: `{' '.join(MODES[m])}`" if MODES[m] else
-        f"{m}: no flags (`--codec {DEFAULTS['codec']} --overlap {DEFAULTS['overlap']}`)"
+        f"{m}: no flags (`--sync-every {DEFAULTS['sync_every']} --sync-max "
+        f"{DEFAULTS['sync_max']} --codec {DEFAULTS['codec']} --overlap {DEFAULTS['overlap']}`)"
         for m in modes)
     section = [
         "## A group on slow uplinks against one machine (bench.links)",
@@ -311,8 +315,9 @@ def main(argv: Sequence[str] | None = None) -> None:
         "two to a core, each at about half a core), held-out evaluated every third round "
         f"(its time included). Modes: {modes_text}. Two-peer rows: the second peer joins "
         "after the leader's second round (join: admitted to state taken / to its first "
-        "committed round). Tokens/s: a round's tokens over the median round with every "
-        "member (not the first two nor the last); "
+        "committed round). Tokens/s: the tokens of the rounds with every member (not the "
+        "first two nor the last) over the time from the first of their commits to the "
+        "last; "
         "bytes: a member's frames sent on all links over the same rounds per token the "
         "group trained.",
         "",

@@ -26,7 +26,7 @@ def _peer(tmp: Path, name: str, recs: list[dict], lines: list[tuple[float, str]]
 def _round(i: int, n: int, t: float, sent: int, heldout: float | None = None,
            head: int = 0) -> dict:
     r = {"round": i, "step": 16 * i, "time": t, "roster": ["x"] * n, "wire_sent": sent,
-         "head_steps": head}
+         "head_steps": head, "round_steps": 16}
     if heldout is not None:
         r["heldout_loss"] = heldout
     return r
@@ -35,7 +35,7 @@ def _round(i: int, n: int, t: float, sent: int, heldout: float | None = None,
 def test_a_two_peer_run_with_a_joiner_is_summarized_from_the_steady_rounds(
         tmp_path: Path) -> None:
     # The leader alone for rounds 1-2; both from round 3; rounds take 2 s but one 9 s
-    # round (a dropped head start) that the median leaves out.
+    # round (a dropped head start), which counts: rounds differ in length.
     times = [10.0, 11.0, 14.0, 16.0, 18.0, 27.0, 29.0, 31.0, 32.0]
     lead_recs = [_round(i + 1, 1 if i < 2 else 2, t, 1000 * (i + 1),
                         heldout=6.0 - 0.1 * i, head=3) for i, t in enumerate(times)]
@@ -47,8 +47,10 @@ def test_a_two_peer_run_with_a_joiner_is_summarized_from_the_steady_rounds(
                     (13.5, "daisyweb-peer: took the state of boundary 2 (5 bytes, 1 s)\n")],
                    started=11.5)
     r = links.summarize("m", 1.0, 2, [lead, joiner], target=5.45, join=True)
-    # steady: the full rounds 3..9 less the first two and the last: rounds 5..8
-    assert r.tokens_per_s == pytest.approx(2 * TOKENS_A_ROUND / 2.0)
+    # steady: the full rounds 3..9 less the first two and the last: rounds 5..8, whose
+    # three rounds after the first took 13 s
+    assert r.tokens_per_s == pytest.approx(3 * 2 * TOKENS_A_ROUND / 13.0)
+    assert r.round_steps == 16
     # bytes: rounds 5 to 8, the median of the two members' (3000 and 1500)
     assert r.bytes_per_token == pytest.approx(2250 / (3 * 2 * TOKENS_A_ROUND))
     assert r.to_target_s == pytest.approx(29.0 - 5.0)  # 6.0 - 0.1 x 6 = 5.4 at round 7
