@@ -162,22 +162,25 @@ def _records(p: Peer) -> list[dict]:
 
 def _steady(rounds: list[dict], what: str) -> tuple[list[dict], float]:
     """The steady rounds (not the first two: the start, a join; nor the short last) and
-    the wall time from the first of their commits to the last (rounds differ in length
-    when the leader lengthens them, so their tokens over that time, not a median round)."""
+    the median of their rates in optimizer steps a second (each round's steps over the
+    time from the commit before it to its own; rounds differ in length when the leader
+    lengthens them): a round that recomputed a dropped head start does not set it."""
     steady = rounds[2:-1]
     if len(steady) < 3:
         raise SystemExit(f"{what}: fewer than 6 rounds with every member")
-    return steady, steady[-1]["time"] - steady[0]["time"]
+    rates = [(b["step"] - a["step"]) / max(b["time"] - a["time"], 1e-9)
+             for a, b in zip(steady, steady[1:], strict=False)]
+    return steady, statistics.median(rates)
 
 
 def summarize(mode: str, rate: float | None, n: int, peers: list[Peer], target: float,
               join: bool) -> Result:
     lead = [r for r in _records(peers[0]) if "round" in r]
-    steady, period = _steady([r for r in lead if len(r["roster"]) == n], f"{mode} {n} peers")
+    steady, steps_per_s = _steady([r for r in lead if len(r["roster"]) == n],
+                                  f"{mode} {n} peers")
     batch = int(DEFAULTS["batch"])
-    tokens = sum((b["step"] - a["step"]) * batch * TOKENS_PER_SEQUENCE * n
-                 for a, b in zip(steady, steady[1:], strict=False))
-    tps = tokens / period
+    tokens = (steady[-1]["step"] - steady[0]["step"]) * batch * TOKENS_PER_SEQUENCE * n
+    tps = steps_per_s * batch * TOKENS_PER_SEQUENCE * n
     reached = next((r["time"] for r in lead if r.get("heldout_loss", 99.0) <= target), None)
     sent = []
     for p in peers:
@@ -211,10 +214,9 @@ def one_peer(out: Path) -> tuple[float, float, float]:
         [p] = run_group(1, ["--overlap", "0", "--sync-max", "16"], server, [[]],
                         ["127.0.0.1"], out / "one", join=False, env=ENV)
     recs = [r for r in _records(p) if "round" in r]
-    steady, period = _steady(recs, "one peer")
-    tokens = (steady[-1]["step"] - steady[0]["step"]) * int(DEFAULTS["batch"]) \
-        * TOKENS_PER_SEQUENCE
-    return tokens / period, recs[-1]["heldout_loss"], recs[-1]["time"] - p.started
+    _, steps_per_s = _steady(recs, "one peer")
+    tokens_per_s = steps_per_s * int(DEFAULTS["batch"]) * TOKENS_PER_SEQUENCE
+    return tokens_per_s, recs[-1]["heldout_loss"], recs[-1]["time"] - p.started
 
 
 def shaped(n: int, mode: str, rate: float | None, out: Path, target: float,
@@ -315,9 +317,9 @@ def main(argv: Sequence[str] | None = None) -> None:
         "two to a core, each at about half a core), held-out evaluated every third round "
         f"(its time included). Modes: {modes_text}. Two-peer rows: the second peer joins "
         "after the leader's second round (join: admitted to state taken / to its first "
-        "committed round). Tokens/s: the tokens of the rounds with every member (not the "
-        "first two nor the last) over the time from the first of their commits to the "
-        "last; "
+        "committed round). Tokens/s: the median over the rounds with every member (not "
+        "the first two nor the last) of a round's tokens over the time from the commit "
+        "before it to its own; "
         "bytes: a member's frames sent on all links over the same rounds per token the "
         "group trained.",
         "",
