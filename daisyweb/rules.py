@@ -47,6 +47,11 @@ __all__ = [
     "overlap_fits",
     "rounds_fit",
     "is_lower_hex",
+    "check_task",
+    "MAX_TASK_NAME",
+    "TASK_SPEC",
+    "TASK_FIELD",
+    "MAX_TASK_FIELDS",
 ]
 
 # The run every entry point starts unless told otherwise: daisyweb-demo, daisyweb-peer
@@ -228,6 +233,40 @@ def default_overlap(sync_max: int) -> int:
     """The overlap a run gets when it names none: its longest round (the group runs ahead
     only as far as its link needs, ``training.overlap``); none in lockstep."""
     return sync_max if sync_max > 1 else 0
+
+
+# A run's task (``daisyweb.tasks``): "" (the built-in GPT) or ``module:Name``, the hash of
+# its code (64 lowercase hex digits) and its settings, by name (int or finite float).
+MAX_TASK_NAME = 200
+TASK_SPEC = re.compile(r"[A-Za-z_][A-Za-z0-9_]*(\.[A-Za-z_][A-Za-z0-9_]*)*:[A-Za-z_][A-Za-z0-9_]*")
+TASK_FIELD = re.compile(r"[a-z][a-z0-9_]{0,31}")
+MAX_TASK_FIELDS = 32
+
+
+def check_task(task: Any, task_hash: Any, task_config: Any) -> None:
+    """The task a run names, its code hash and its settings, as the wire carries them
+    (a task's own bounds on its settings are its ``FIELDS``, checked where it loads)."""
+    if task == "":
+        if task_hash != "" or task_config:
+            raise ValueError("task_hash and task_config belong to a named task")
+        return
+    if type(task) is not str or len(task) > MAX_TASK_NAME or not TASK_SPEC.fullmatch(task):
+        raise ValueError(f"task must be module:Name, got {str(task)[:80]!r}")
+    if type(task_hash) is not str or len(task_hash) != 64 or not is_lower_hex(task_hash):
+        raise ValueError("task_hash must be 64 lowercase hex digits")
+    items = task_config.items() if isinstance(task_config, dict) else task_config
+    items = list(items)
+    if len(items) > MAX_TASK_FIELDS:
+        raise ValueError(f"task_config holds at most {MAX_TASK_FIELDS} settings")
+    for item in items:
+        if not (isinstance(item, tuple | list) and len(item) == 2):
+            raise ValueError("task_config must map setting names to numbers")
+        name, value = item
+        if type(name) is not str or not TASK_FIELD.fullmatch(name):
+            raise ValueError(f"task setting names are 1-32 of a-z 0-9 _, got {str(name)[:40]!r}")
+        if type(value) not in (int, float) or (type(value) is float
+                                                and not math.isfinite(value)):
+            raise ValueError(f"task setting {name} must be a finite number")
 
 
 _LOWER_HEX = re.compile(r"[0-9a-f]+")

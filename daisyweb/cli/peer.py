@@ -57,7 +57,7 @@ __all__ = ["DEFAULTS", "build_parser", "parse_args", "main"]
 PROG = "daisyweb-peer"
 _MODEL_FLAGS = ("width", "layers", "heads", "seq", "batch", "steps", "lr", "seed",
                 "sync_every", "sync_max", "outer_lr", "overlap")
-_RUN_FLAGS = (*_MODEL_FLAGS, "codec", "compute")
+_RUN_FLAGS = (*_MODEL_FLAGS, "codec", "compute", "task", "task_set")
 
 
 class _Parser(argparse.ArgumentParser):
@@ -102,6 +102,24 @@ def _run_flag(name: str) -> Callable[[str], int | float]:
     return parse
 
 
+def _task_setting(text: str) -> tuple[str, int | float]:
+    """``NAME=VALUE`` of ``--task-set``: an integer, else a number (the task checks it)."""
+    name, sep, value = text.partition("=")
+    if not sep or not name:
+        raise argparse.ArgumentTypeError(f"expected NAME=VALUE, got {text!r}")
+    try:
+        return name, int(value)
+    except ValueError:
+        pass
+    try:
+        number = float(value)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{name}: expected a number, got {value!r}") from None
+    if number != number or number in (float("inf"), float("-inf")):
+        raise argparse.ArgumentTypeError(f"{name}: expected a finite number, got {value!r}")
+    return name, number
+
+
 def _positive_float(text: str) -> float:
     try:
         v = float(text)
@@ -131,6 +149,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--compute", choices=COMPUTE_NAMES, default=None,
                    help="leader: the forward GEMMs through the verified int8 kernels, or "
                         f"plain float32 (default {DEFAULTS['compute']})")
+    p.add_argument("--task", default=None, metavar="MODULE:NAME",
+                   help="leader: what the group trains, a daisyweb.tasks.Task importable "
+                        "on every member with the same code (default: the built-in GPT; "
+                        "e.g. daisyweb.tasks.teacher:Teacher; docs/tasks.md)")
+    p.add_argument("--task-set", action="append", type=_task_setting, default=None,
+                   metavar="NAME=VALUE", help="leader: a setting of --task (repeatable)")
     p.add_argument("--capacity", choices=("on", "off"), default=None,
                    help="leader: give faster members a bigger share of each step's (or "
                         "round's) sequences, by their measured speed (default on); off: "
@@ -194,6 +218,11 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
             parser.error("--capacity needs --start (the leader sets the shares)")
     if args.save_every and not args.save:
         parser.error("--save-every needs --save")
+    if args.task_set and not args.task:
+        parser.error("--task-set needs --task")
+    if args.task and (args.save or args.resume):
+        parser.error("--save and --resume hold the built-in GPT's checkpoints, not a "
+                     "--task run's")
     check_ice_flags(parser, args)
     if args.start and not args.resume:
         for f in _MODEL_FLAGS:

@@ -19,7 +19,7 @@ from daisyweb.data import BatchSampler, Tokenizer, builtin_tokens
 from daisyweb.peer.options import data_url, log
 from daisyweb.training.config import RunConfig
 
-__all__ = ["DATA_EVERY_S", "DATA_MAX_TOKENS", "DataFeed"]
+__all__ = ["DATA_EVERY_S", "DATA_MAX_TOKENS", "DataFeed", "TaskFeed", "feed_for"]
 
 DATA_EVERY_S = 30.0
 DATA_MAX_TOKENS = 4_000_000
@@ -84,3 +84,27 @@ class DataFeed:
     def rows(self, n: int) -> Callable[[int], np.ndarray]:
         """The batch function of a share of ``n`` sequences per inner step."""
         return lambda step: self.batch(step, n)
+
+
+class TaskFeed:
+    """The batches of a named task (``--task``): drawn by the task itself, nothing
+    fetched."""
+
+    def __init__(self, run: RunConfig, peer: str) -> None:
+        self.run = run
+        self.peer = peer
+        self.task = run.task_impl
+
+    def start(self) -> list[asyncio.Task[None]]:
+        return []
+
+    def batch(self, step: int, rows: int | None = None) -> np.ndarray:
+        return self.task.batch(self.run.seed, step, self.peer, rows or self.run.batch)
+
+    def rows(self, n: int) -> Callable[[int], np.ndarray]:
+        return lambda step: self.batch(step, n)
+
+
+def feed_for(tok: Tokenizer, run: RunConfig, peer: str, server: str) -> DataFeed | TaskFeed:
+    """The built-in GPT's corpus feed, or a named task's own batches."""
+    return TaskFeed(run, peer) if run.task else DataFeed(tok, run, peer, server)

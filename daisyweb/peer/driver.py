@@ -39,7 +39,7 @@ from daisyweb.net import (
 from daisyweb.net.outbox import Outboxes
 from daisyweb.peer import handshake
 from daisyweb.peer.approve import approve_callback
-from daisyweb.peer.datafeed import DataFeed
+from daisyweb.peer.datafeed import DataFeed, TaskFeed, feed_for
 from daisyweb.peer.exchange import (
     RecordingEncoder,
     Trainer,
@@ -105,7 +105,7 @@ class Driver:
         self.replica: Trainer | None = None
         self.trainer: Trainer
         self.encoder: RecordingEncoder
-        self.feed: DataFeed
+        self.feed: DataFeed | TaskFeed
         self.machine: sync.StepMachine | None = None
         self.mesh: Mesh
         self.outboxes: Outboxes
@@ -311,7 +311,7 @@ class Driver:
         await self.corpus  # DataFeed's builtin_tokens() is then the cached array
         for t in self.feed_tasks:  # a rejoin's new feed replaces the old one
             t.cancel()
-        self.feed = DataFeed(self.tok, self.state.run, self.mesh.self_id, self.opts.server)
+        self.feed = feed_for(self.tok, self.state.run, self.mesh.self_id, self.opts.server)
         self.feed_tasks = self.feed.start()
         self.tasks.extend(self.feed_tasks)
 

@@ -37,6 +37,8 @@ class PeerOptions:
     seed: int | None = None
     sync_every: int | None = None
     sync_max: int | None = None
+    task: str | None = None  # leader: module:Name (daisyweb.tasks); None: the built-in GPT
+    task_config: dict[str, int | float] | None = None  # leader: the task's settings
     codec: str | None = None
     outer_lr: float | None = None
     overlap: int | None = None
@@ -72,7 +74,8 @@ def options_from_args(args: argparse.Namespace) -> PeerOptions:
         server=args.server, room=args.room, name=args.name, approve=args.approve,
         start=args.start, model=model, batch=args.batch, steps=args.steps, lr=args.lr,
         seed=args.seed, sync_every=args.sync_every, sync_max=args.sync_max, codec=args.codec,
-        outer_lr=args.outer_lr,
+        outer_lr=args.outer_lr, task=args.task,
+        task_config=dict(args.task_set) if args.task_set else None,
         overlap=args.overlap, compute=args.compute, capacity=args.capacity != "off",
         exchange=args.exchange,
         resume=args.resume, save=args.save, save_every=args.save_every,

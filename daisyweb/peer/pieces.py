@@ -31,7 +31,6 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from daisyweb.model import param_count
 from daisyweb.optim import DaisyAdam, powers_for
 from daisyweb.peer.exchange import make_trainer
 from daisyweb.protocol import wire
@@ -68,7 +67,7 @@ class Layout:
     @classmethod
     def of(cls, run: RunConfig) -> Layout:
         """The layout of ``run``'s state: both ends derive it from the run alone."""
-        return cls(param_count(run.model), run.sync_every == 1)
+        return cls(run.task_impl.size, run.sync_every == 1)
 
     @property
     def piece_floats(self) -> int:

@@ -14,14 +14,11 @@ import time
 from collections.abc import Awaitable
 from typing import Any, Protocol
 
-import numpy as np
-
 from daisyweb.checkpoints.checkpoint import CheckpointError, TokenizerInfo, save_checkpoint
 from daisyweb.peer.exchange import RecordingEncoder, Trainer, mode
 from daisyweb.peer.hardware import hardware_info
 from daisyweb.peer.options import PeerOptions, log
 from daisyweb.protocol import sync
-from daisyweb.training.evaluate import heldout_batches, heldout_loss
 from daisyweb.training.metrics import (
     MetricsWriter,
     Progress,
@@ -78,7 +75,6 @@ class Report:
         self.last_eval = -1
         # The last held-out loss and its step, sent with every status (reports coalesce).
         self.last_heldout: tuple[float, int] | None = None
-        self._eval_batches: list[np.ndarray] | None = None
         # The dashboard's pool view shows each member's hardware: sent with every report.
         self.hardware = hardware_info()
         self.last_pool: dict[str, Any] = {}
@@ -139,7 +135,7 @@ class Report:
         run = state.run
         done = trainer.inner_steps
         inner = c.length
-        tokens = run.batch * run.model.seq * len(c.roster) * inner
+        tokens = run.batch * run.task_impl.ROW_TOKENS * len(c.roster) * inner
         t0 = self.step_t0.pop(c.step, now)
         ready = self.ready_at.pop(c.step, now)
         compute_s = self.compute_s.pop(c.step, 0.0)
@@ -259,11 +255,8 @@ class Report:
         last = done >= state.run.steps and done > self.last_eval
         if not every or (done // every <= self.last_eval // every and not last):
             return None
-        if self._eval_batches is None:
-            self._eval_batches = heldout_batches(state.run.model.seq)
         t0 = time.perf_counter()
-        loss = heldout_loss(state.run.model, state.params, self._eval_batches,
-                            state.run.quantized)
+        loss = state.run.task_impl.heldout(state.params)
         self.last_eval = done
         return loss, time.perf_counter() - t0
 

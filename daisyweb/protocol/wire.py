@@ -20,7 +20,7 @@ import math
 import re
 import struct
 from collections.abc import Callable
-from dataclasses import dataclass, fields
+from dataclasses import dataclass, field, fields
 from typing import Any, ClassVar
 
 import msgpack
@@ -186,6 +186,16 @@ def _choice(*allowed: str) -> Checker:
     return check
 
 
+def _task_config(t: str, name: str, v: Any) -> dict[str, int | float]:
+    """A task's settings: a map of at most ``rules.MAX_TASK_FIELDS`` names to numbers
+    (``rules.check_task`` checks the names and values with the task)."""
+    if type(v) is not dict:
+        raise _fail(t, name, f"expected map, got {type(v).__name__}")
+    if len(v) > rules.MAX_TASK_FIELDS:
+        raise _fail(t, name, f"at most {rules.MAX_TASK_FIELDS} settings")
+    return dict(v)
+
+
 def _members(t: str, name: str, v: Any) -> tuple[str, ...]:
     if type(v) not in (list, tuple):
         raise _fail(t, name, f"expected list of str, got {type(v).__name__}")
@@ -306,6 +316,11 @@ class Config(_Msg):
     sync_max: int  # the longest round the leader may name (``protocol.pace``)
     # the verified int8 kernels, or "float" (plain float32 GEMMs)
     compute: str = str(rules.DEFAULTS["compute"])
+    # what the group trains (``daisyweb.tasks``): "" the built-in GPT, else module:Name,
+    # the hash of its code every member must match, and its settings
+    task: str = ""
+    task_hash: str = ""
+    task_config: dict[str, int | float] = field(default_factory=dict)
 
     type: ClassVar[str] = "config"
     # Every bound is the run's own rule (daisyweb.rules): one source for the CLI, the
@@ -315,6 +330,9 @@ class Config(_Msg):
         "data": _str(rules.MAX_DATA_LEN),
         "codec": _choice(*rules.CODEC_NAMES),
         "compute": _choice(*rules.COMPUTE_NAMES),
+        "task": _str(rules.MAX_TASK_NAME, 0),
+        "task_hash": _str(64, 0),
+        "task_config": _task_config,
     }
 
     @classmethod
@@ -336,8 +354,12 @@ class Config(_Msg):
             rules.check_rounds(self.sync_every, self.codec, self.outer_lr, self.overlap,
                                self.sync_max)
         except ValueError as exc:
-            field = "sync_max" if str(exc).startswith("sync_max") else "overlap"
-            raise _fail(self.type, field, str(exc)) from None
+            name = "sync_max" if str(exc).startswith("sync_max") else "overlap"
+            raise _fail(self.type, name, str(exc)) from None
+        try:
+            rules.check_task(self.task, self.task_hash, self.task_config)
+        except ValueError as exc:
+            raise _fail(self.type, "task", str(exc)) from None
 
 
 @dataclass(frozen=True)

@@ -10,8 +10,9 @@ leader broadcasts and to and from a checkpoint's ``run`` metadata.
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from daisyweb.checkpoints.checkpoint import Checkpoint
 from daisyweb.model import ModelConfig
@@ -24,9 +25,13 @@ from daisyweb.rules import (
     check_compute,
     check_rounds,
     check_run,
+    check_task,
     default_overlap,
     default_sync_max,
 )
+
+if TYPE_CHECKING:
+    from daisyweb.tasks import Task
 
 __all__ = ["DEFAULTS", "RunConfig", "run_config", "trained_quantized"]
 
@@ -53,6 +58,11 @@ class RunConfig:
     # Rounds: the longest round the leader may name when a link needs it
     # (``protocol.pace``; ``sync_every`` is the shortest); None: the default.
     sync_max: int = None  # type: ignore[assignment]
+    # What the group trains: "" is the built-in GPT (``model``); else ``module:Name``
+    # (``daisyweb.tasks``), the hash of its module's source and its settings.
+    task: str = ""
+    task_hash: str = ""
+    task_config: tuple[tuple[str, int | float], ...] = ()
 
     def __post_init__(self) -> None:
         if self.sync_max is None and type(self.sync_every) is int:
@@ -67,8 +77,27 @@ class RunConfig:
             check_rounds(self.sync_every, self.codec, self.outer_lr, self.overlap,
                          self.sync_max)
             check_compute(self.compute)
+            check_task(self.task, self.task_hash, self.task_config)
         except ValueError as exc:
             raise ValueError(f"bad run config: {exc}") from None
+
+    @functools.cached_property
+    def task_impl(self) -> Task:
+        """The task this run trains, loaded (a named one: imported here, its code checked
+        against ``task_hash``; ``tasks.TaskError`` saying why not)."""
+        if not self.task:
+            from daisyweb.tasks.gpt import GPT
+
+            return GPT(self.model, self.quantized)
+        from daisyweb.tasks import TaskError, load_task, task_hash
+
+        cls = load_task(self.task)
+        here = task_hash(self.task)
+        if here != self.task_hash:
+            raise TaskError(f"task {self.task} differs here (code hash {here[:16]}, the "
+                            f"run's {self.task_hash[:16]}): every member must run the same "
+                            "task code")
+        return cls(dict(self.task_config), self.quantized)
 
     @property
     def quantized(self) -> bool:
@@ -85,7 +114,8 @@ class RunConfig:
             "vocab": m.vocab, "batch": self.batch, "steps": self.steps, "lr": self.lr,
             "seed": self.seed, "data": self.data, "sync_every": self.sync_every,
             "codec": self.codec, "outer_lr": self.outer_lr, "overlap": self.overlap,
-            "compute": self.compute, "sync_max": self.sync_max,
+            "compute": self.compute, "sync_max": self.sync_max, "task": self.task,
+            "task_hash": self.task_hash, "task_config": dict(self.task_config),
         })
 
     @classmethod
@@ -95,7 +125,8 @@ class RunConfig:
         return cls(model=model, batch=msg.batch, steps=msg.steps, lr=msg.lr,
                    seed=msg.seed, data=msg.data, sync_every=msg.sync_every,
                    codec=msg.codec, outer_lr=msg.outer_lr, overlap=msg.overlap,
-                   compute=msg.compute, sync_max=msg.sync_max)
+                   compute=msg.compute, sync_max=msg.sync_max, task=msg.task,
+                   task_hash=msg.task_hash, task_config=tuple(sorted(msg.task_config.items())))
 
     def to_dict(self) -> dict[str, Any]:
         """Plain metadata for a checkpoint's ``run`` dict (the model goes separately)."""
@@ -145,6 +176,9 @@ def run_config(
     overlap: int | None = None,
     compute: str | None = None,
     sync_max: int | None = None,
+    task: str = "",
+    task_hash: str = "",
+    task_config: tuple[tuple[str, int | float], ...] = (),
 ) -> RunConfig:
     """A validated :class:`RunConfig`; every ``None`` takes its value from :data:`DEFAULTS`.
 
@@ -160,7 +194,8 @@ def run_config(
                      lr=pick("lr", lr), seed=pick("seed", seed), data=data,
                      sync_every=pick("sync_every", sync_every), codec=pick("codec", codec),
                      outer_lr=pick("outer_lr", outer_lr),
-                     overlap=overlap, compute=pick("compute", compute), sync_max=sync_max)
+                     overlap=overlap, compute=pick("compute", compute), sync_max=sync_max,
+                     task=task, task_hash=task_hash, task_config=task_config)
 
 
 def trained_quantized(ckpt: Checkpoint) -> bool:

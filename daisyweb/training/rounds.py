@@ -56,7 +56,6 @@ from typing import Any
 
 import numpy as np
 
-from daisyweb.model import loss_and_grad
 from daisyweb.optim import DaisyAdam, le_f32_bytes
 from daisyweb.protocol.averaging import check_gradient
 from daisyweb.training.state import TrainState
@@ -300,11 +299,11 @@ class RoundTrainer:
         """Inner steps ``steps`` of a round that starts at inner step ``first``, on
         ``local`` in place; the loss sum."""
         state = self.state
+        task = state.run.task_impl
         total = 0.0
         grad = np.empty_like(local)  # one gradient buffer for these steps
         for j in steps:
-            loss, _ = loss_and_grad(state.run.model, local, batch(first + j), out=grad,
-                                    quantized=state.run.quantized)
+            loss, _ = task.loss_and_grad(local, batch(first + j), out=grad)
             optimizer.step(local, check_gradient(grad, state.size, "local gradient"))
             total += float(loss)
         return total

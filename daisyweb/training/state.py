@@ -20,7 +20,6 @@ from daisyweb.checkpoints.checkpoint import (
     make_checkpoint,
     restore_optimizer,
 )
-from daisyweb.model import init_params, loss_and_grad, param_count
 from daisyweb.optim import DaisyAdam, weight_hash
 from daisyweb.protocol.averaging import check_gradient
 from daisyweb.training.config import RunConfig
@@ -39,7 +38,7 @@ class TrainState:
     """Parameters plus optimizer: the state every replica keeps bit-identical."""
 
     def __init__(self, run: RunConfig, params: np.ndarray, optimizer: DaisyAdam) -> None:
-        size = param_count(run.model)
+        size = run.task_impl.size
         if params.dtype != np.float32 or params.shape != (size,):
             raise ValueError(f"params must be float32 of shape ({size},)")
         if optimizer.size != size:
@@ -50,7 +49,7 @@ class TrainState:
 
     @classmethod
     def fresh(cls, run: RunConfig) -> TrainState:
-        params = init_params(run.model, run.seed)
+        params = run.task_impl.init_params(run.seed)
         return cls(run, params, DaisyAdam(run.adam(), params.size))
 
     @classmethod
@@ -77,9 +76,9 @@ class TrainState:
         return self.params.size
 
     def gradient(self, batch: np.ndarray) -> tuple[float, np.ndarray]:
-        """Loss and float32 gradient on ``batch`` ([B, seq+1] token ids); state untouched."""
-        loss, grad = loss_and_grad(self.run.model, self.params, batch,
-                                   quantized=self.run.quantized)
+        """Loss and float32 gradient on ``batch`` (the task's: [B, seq+1] token ids for
+        the GPT); state untouched."""
+        loss, grad = self.run.task_impl.loss_and_grad(self.params, batch)
         return float(loss), grad
 
     def apply(self, average: np.ndarray, *, owned: bool = False) -> None:
@@ -102,6 +101,9 @@ class TrainState:
 
     def checkpoint(self, tokenizer: TokenizerInfo, copy: bool = True) -> Checkpoint:
         """A checkpoint of this state; ``copy=False`` shares the arrays (see
-        :func:`make_checkpoint`)."""
+        :func:`make_checkpoint`). Checkpoints hold the built-in GPT: a named task's run
+        has none (ValueError)."""
+        if self.run.task:
+            raise ValueError(f"checkpoints hold the built-in GPT, not task {self.run.task}")
         return make_checkpoint(self.run.model, tokenizer, self.params, self.optimizer,
                                self.run.to_dict(), copy=copy)
