@@ -261,7 +261,8 @@ class Driver:
             self.queue, self._peer_connected, self.hello_from, self.opts.wait_peers,
             self.opts.join_timeout)
         machine = self._machine(self.mesh.self_id)
-        log(f"leading: {self.state.size:,} parameters, {run.steps} steps, "
+        task = f", task {run.task}" if run.task else ""
+        log(f"leading: {self.state.size:,} parameters{task}, {run.steps} steps, "
             f"from step {self.state.step}, {mode(run)}")
         self.report.begin(self.state)
         # Hellos first: a peer of another version is excluded before it is offered a

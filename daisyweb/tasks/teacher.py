@@ -1,11 +1,12 @@
 """A task that is not a language model: a student network learns a fixed random teacher.
 
 ``--task daisyweb.tasks.teacher:Teacher``. The teacher is a two-layer tanh network drawn
-from the run's seed; each example is a standard normal input and the teacher's output
-plus a little noise; the student has the teacher's shape with ``hidden`` units and
-learns by mean squared error. Small enough for the tests (about 1,000 parameters at the
-defaults), and it shows what a task owes daisyweb: parameters from a seed, batches, a
-loss with its gradient, a held-out loss.
+from its own seed (the ``teacher`` setting: the problem, apart from the run's seed, which
+draws the student's initial weights and the examples); each example is a standard normal
+input and the teacher's output plus a little noise; the student has the teacher's inputs
+and outputs with ``hidden`` units and learns by mean squared error. Small enough for the
+tests (about 700 parameters at the defaults), and it shows what a task owes daisyweb:
+parameters from a seed, batches, a loss with its gradient, a held-out loss.
 """
 
 from __future__ import annotations
@@ -35,6 +36,8 @@ class Teacher(Task):
         "hidden": FieldSpec(int, 1, 4096, 32),
         "outputs": FieldSpec(int, 1, 1024, 4),
         "noise": FieldSpec(float, 0.0, 10.0, 0.01),
+        "teacher": FieldSpec(int, 0, 2**31 - 1, 0),
+        "teacher_hidden": FieldSpec(int, 1, 4096, 8),
     }
 
     def __init__(self, config: dict, quantized: bool = True) -> None:
@@ -45,27 +48,31 @@ class Teacher(Task):
         self.shapes = [(self.n_in, self.n_hidden), (self.n_hidden,),
                        (self.n_hidden, self.n_out), (self.n_out,)]
         self._size = sum(int(np.prod(s)) for s in self.shapes)
-        self._teachers: dict[int, np.ndarray] = {}
-        self._heldout: dict[int, np.ndarray] = {}
+        self.teacher_shapes = [(self.n_in, int(c["teacher_hidden"])),
+                               (int(c["teacher_hidden"]),),
+                               (int(c["teacher_hidden"]), self.n_out), (self.n_out,)]
+        self.teacher = self._draw([int(c["teacher"]), _TEACHER_KEY], self.teacher_shapes)
+        self._heldout: np.ndarray | None = None
 
     @property
     def size(self) -> int:
         return self._size
 
-    def _views(self, flat: np.ndarray) -> list[np.ndarray]:
+    def _views(self, flat: np.ndarray, shapes: list | None = None) -> list[np.ndarray]:
         out, off = [], 0
-        for shape in self.shapes:
+        for shape in shapes or self.shapes:
             n = int(np.prod(shape))
             out.append(flat[off:off + n].reshape(shape))
             off += n
         return out
 
-    def _draw(self, key: list[int]) -> np.ndarray:
+    @staticmethod
+    def _draw(key: list[int], shapes: list) -> np.ndarray:
         """Weights with a 1/sqrt(fan-in) scale, biases zero: PCG64 and a float32
         multiply, the same bits on every machine."""
         rng = np.random.default_rng(key)
         parts = []
-        for shape in self.shapes:
+        for shape in shapes:
             if len(shape) == 2:
                 scale = np.float32(1.0 / np.sqrt(shape[0]))
                 parts.append(rng.standard_normal(shape).astype(np.float32).ravel() * scale)
@@ -74,25 +81,23 @@ class Teacher(Task):
         return np.concatenate(parts).astype(np.float32)
 
     def init_params(self, seed: int) -> np.ndarray:
-        return self._draw([seed])
+        return self._draw([seed], self.shapes)
 
-    def _examples(self, seed: int, key: list[int], rows: int) -> np.ndarray:
+    def _examples(self, key: list[int], rows: int) -> np.ndarray:
         """``rows`` examples ``[rows, inputs + outputs]``: an input, the teacher's output
         and noise."""
-        teacher = self._teachers.get(seed)
-        if teacher is None:
-            teacher = self._teachers[seed] = self._draw([seed, _TEACHER_KEY])
-        rng = np.random.default_rng([seed, *key])
+        rng = np.random.default_rng(key)
         x = rng.standard_normal((rows, self.n_in)).astype(np.float32)
-        y = self._forward(teacher, x)[0]
+        y = self._forward(self.teacher, x, self.teacher_shapes)[0]
         y += np.float32(self.config["noise"]) * rng.standard_normal(y.shape).astype(np.float32)
         return np.concatenate([x, y], axis=1)
 
     def batch(self, seed: int, step: int, member: str, rows: int) -> np.ndarray:
-        return self._examples(seed, [step, _member_key(member)], rows)
+        return self._examples([seed, step, _member_key(member)], rows)
 
-    def _forward(self, flat: np.ndarray, x: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-        w1, b1, w2, b2 = self._views(flat)
+    def _forward(self, flat: np.ndarray, x: np.ndarray,
+                 shapes: list | None = None) -> tuple[np.ndarray, np.ndarray]:
+        w1, b1, w2, b2 = self._views(flat, shapes)
         h = np.tanh(x @ w1 + b1)
         return h @ w2 + b2, h
 
@@ -114,8 +119,8 @@ class Teacher(Task):
         return loss, grad
 
     def heldout(self, params: np.ndarray) -> float:
-        seed = 0  # the held-out examples are the task's, whatever the run's seed
-        data = self._heldout.get(seed)
-        if data is None:
-            data = self._heldout[seed] = self._examples(seed, [_HELDOUT_KEY], _HELDOUT_ROWS)
-        return self.loss_and_grad(params, data)[0]
+        """Over examples of the teacher's own (no run's seed draws them)."""
+        if self._heldout is None:
+            self._heldout = self._examples([int(self.config["teacher"]), _HELDOUT_KEY],
+                                           _HELDOUT_ROWS)
+        return self.loss_and_grad(params, self._heldout)[0]

@@ -42,6 +42,11 @@ S = ["--server", "http://127.0.0.1:9"]
         ([*S, "--start", "--sync-every", "8", "--sync-max", "7"], "at least --sync-every 8"),
         ([*S, "--start", "--sync-every", "1", "--sync-max", "2"], "1 in lockstep"),
         ([*S, "--sync-max", "32"], "needs --start"),
+        ([*S, "--task", "daisyweb.tasks.teacher:Teacher"], "needs --start"),
+        ([*S, "--start", "--task-set", "hidden=8"], "--task-set needs --task"),
+        ([*S, "--start", "--task", "a:B", "--task-set", "hidden"], "NAME=VALUE"),
+        ([*S, "--start", "--task", "a:B", "--task-set", "noise=nan"], "finite number"),
+        ([*S, "--start", "--task", "a:B", "--save", "x.pt"], "not a --task run's"),
         ([*S, "--start", "--sync-every", "1", "--overlap", "1"], "0 in lockstep"),
         ([*S, "--save-every", "5"], "needs --save"),
         ([*S, "--join-timeout", "0"], "positive number"),
@@ -95,6 +100,11 @@ def test_good_flags() -> None:
     fixed = peer.parse_args([*S, "--start", "--sync-every", "8", "--sync-max", "8"])
     assert (fixed.sync_max, fixed.overlap) == (8, 8)
     assert options_from_args(fixed).sync_max == 8
+    task = peer.parse_args([*S, "--start", "--task", "daisyweb.tasks.teacher:Teacher",
+                            "--task-set", "hidden=8", "--task-set", "noise=0.5"])
+    got = options_from_args(task)
+    assert (got.task, got.task_config) == ("daisyweb.tasks.teacher:Teacher",
+                                           {"hidden": 8, "noise": 0.5})
     f = peer.parse_args([*S, "--room", "abcd", "--name", "x"])
     assert not f.start and f.width is None and options_from_args(f).model is None
 
