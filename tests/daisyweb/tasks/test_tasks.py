@@ -170,3 +170,20 @@ def test_a_named_tasks_run_has_no_checkpoint() -> None:
     state = TrainState.fresh(_teacher_run())
     with pytest.raises(ValueError, match="checkpoints hold the built-in GPT"):
         state.checkpoint(None)  # type: ignore[arg-type]
+
+
+def test_the_template_in_examples_is_a_task_that_learns(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.syspath_prepend(str(Path(__file__).parents[3] / "examples"))
+    spec = "task_template:Polynomial"
+    cls = load_task(spec)
+    run = run_config(100, steps=200, sync_every=1, codec="f32", lr=0.05, task=spec,
+                     task_hash=task_hash(spec), task_config=(("degree", 5),))
+    assert cls is type(run.task_impl) and run.task_impl.size == 6
+    state = TrainState.fresh(run)
+    task = run.task_impl
+    before = task.heldout(state.params)
+    for step in range(200):
+        _, grad = state.gradient(task.batch(run.seed, step, "a", 16))
+        state.apply(grad)
+    assert task.heldout(state.params) < 0.2 * before
+    sys.modules.pop("task_template", None)
