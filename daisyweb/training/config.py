@@ -81,23 +81,12 @@ class RunConfig:
         except ValueError as exc:
             raise ValueError(f"bad run config: {exc}") from None
 
-    @functools.cached_property
+    @property
     def task_impl(self) -> Task:
-        """The task this run trains, loaded (a named one: imported here, its code checked
-        against ``task_hash``; ``tasks.TaskError`` saying why not)."""
-        if not self.task:
-            from daisyweb.tasks.gpt import GPT
-
-            return GPT(self.model, self.quantized)
-        from daisyweb.tasks import TaskError, load_task, task_hash
-
-        cls = load_task(self.task)
-        here = task_hash(self.task)
-        if here != self.task_hash:
-            raise TaskError(f"task {self.task} differs here (code hash {here[:16]}, the "
-                            f"run's {self.task_hash[:16]}): every member must run the same "
-                            "task code")
-        return cls(dict(self.task_config), self.quantized)
+        """The task this run trains, loaded once per run config (a named one: imported
+        here, its code checked against ``task_hash``; ``tasks.TaskError`` saying why
+        not)."""
+        return _task_of(self)
 
     @property
     def quantized(self) -> bool:
@@ -196,6 +185,22 @@ def run_config(
                      outer_lr=pick("outer_lr", outer_lr),
                      overlap=overlap, compute=pick("compute", compute), sync_max=sync_max,
                      task=task, task_hash=task_hash, task_config=task_config)
+
+
+@functools.lru_cache(maxsize=8)
+def _task_of(run: RunConfig) -> Task:
+    if not run.task:
+        from daisyweb.tasks.gpt import GPT
+
+        return GPT(run.model, run.quantized)
+    from daisyweb.tasks import TaskError, load_task, task_hash
+
+    cls = load_task(run.task)
+    here = task_hash(run.task)
+    if here != run.task_hash:
+        raise TaskError(f"task {run.task} differs here (code hash {here[:16]}, the run's "
+                        f"{run.task_hash[:16]}): every member must run the same task code")
+    return cls(dict(run.task_config), run.quantized)
 
 
 def trained_quantized(ckpt: Checkpoint) -> bool:

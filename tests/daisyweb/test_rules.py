@@ -11,6 +11,8 @@ from daisyweb import rules
 from daisyweb.protocol import wire
 
 
+NO_TASK = {"task": "", "task_hash": "", "task_config": {}}  # the built-in GPT's run
+
 def test_bounds_are_the_wire_configs() -> None:
     assert rules.MAX_DIM == wire.MAX_DIM
     assert rules.MAX_STEP == wire.MAX_STEP
@@ -19,7 +21,7 @@ def test_bounds_are_the_wire_configs() -> None:
     base = {"width": 8, "layers": 1, "heads": 2, "seq": 4, "vocab": 9, "batch": 1,
             "steps": 1, "lr": 1e-3, "seed": 0, "data": "builtin", "sync_every": 1,
             "codec": "f32", "outer_lr": 1.0, "overlap": 0, "compute": "int8",
-            "sync_max": 1}
+            "sync_max": 1, **NO_TASK}
     edges = {
         "width": [0, 1, rules.MAX_DIM, rules.MAX_DIM + 1, True],
         "batch": [0, 1, rules.MAX_DIM, rules.MAX_DIM + 1],
@@ -51,7 +53,7 @@ def test_bounds_are_the_wire_configs() -> None:
 
 
 def test_codec_names_are_the_wire_configs() -> None:
-    base = rules.DEFAULTS | {"vocab": 9, "width": 8, "heads": 2}
+    base = rules.DEFAULTS | {"vocab": 9, "width": 8, "heads": 2, **NO_TASK}
     for name in (*rules.CODEC_NAMES, "int4", "", "F32"):
         try:
             wire.Config.from_dict(dict(base, codec=name))
@@ -78,7 +80,7 @@ def test_check_field_says_the_rule() -> None:
 
 @pytest.mark.parametrize("compute", ["int8", "float"])
 def test_compute_is_int8_or_float_on_the_wire_and_in_the_rules(compute: str) -> None:
-    base = dict(rules.DEFAULTS, vocab=9, width=8, heads=2)
+    base = dict(rules.DEFAULTS, vocab=9, width=8, heads=2, **NO_TASK)
     assert wire.Config.from_dict(dict(base, compute=compute)).compute == compute
     rules.check_compute(compute)
     for bad in ("float32", "INT8", "", 8, None):
@@ -92,7 +94,7 @@ def test_compute_is_int8_or_float_on_the_wire_and_in_the_rules(compute: str) -> 
 
 
 def test_overlap_is_at_most_the_longest_round_and_none_in_lockstep() -> None:
-    base = dict(rules.DEFAULTS, vocab=9, width=8, heads=2)
+    base = dict(rules.DEFAULTS, vocab=9, width=8, heads=2, **NO_TASK)
     for sync_every, sync_max, overlap, ok in [
             (32, 32, 31, True), (32, 32, 32, True), (32, 32, 33, False), (16, 64, 64, True),
             (16, 64, 65, False), (1, 1, 0, True), (1, 1, 1, False), (2, 2, 1, True),
@@ -112,7 +114,7 @@ def test_overlap_is_at_most_the_longest_round_and_none_in_lockstep() -> None:
 
 
 def test_the_longest_round_is_at_least_the_shortest_and_one_in_lockstep() -> None:
-    base = dict(rules.DEFAULTS, vocab=9, width=8, heads=2, overlap=0)
+    base = dict(rules.DEFAULTS, vocab=9, width=8, heads=2, overlap=0, **NO_TASK)
     for sync_every, sync_max, ok in [(16, 16, True), (16, 64, True), (16, 15, False),
                                      (1, 1, True), (1, 2, False), (2, 1, False)]:
         d = dict(base, sync_every=sync_every, sync_max=sync_max)

@@ -180,7 +180,7 @@ def test_readiness_fails_when_the_server_process_died() -> None:
 
 def _patch_loss(monkeypatch, at: int, effect) -> None:
     """Make the model's loss_and_grad misbehave on its ``at``-th call (= step ``at``)."""
-    import daisyweb.training.state as state
+    import daisyweb.tasks.gpt as state  # the built-in GPT task's forward and backward
 
     real = state.loss_and_grad
     calls = [0]

@@ -14,6 +14,7 @@ from daisyweb.protocol import wire
 from daisyweb.tasks import TaskError, check_task_config, load_task, task_hash
 from daisyweb.tasks.gpt import GPT
 from daisyweb.tasks.teacher import Teacher
+from daisyweb.training import config
 from daisyweb.training.config import RunConfig, run_config
 from daisyweb.training.state import TrainState
 
@@ -128,8 +129,10 @@ def test_a_member_with_other_task_code_refuses_the_run(tmp_path: Path,
     leaders = task_hash(spec)
     run = run_config(100, steps=4, sync_every=1, codec="f32", task=spec, task_hash=leaders)
     assert run.task_impl.config == {"slope": 2.0}
-    # the same config on a member whose linetask.py differs
+    # the same config on a member whose linetask.py differs (another process: nothing
+    # loaded yet)
     sys.modules.pop("linetask")
+    config._task_of.cache_clear()
     monkeypatch.syspath_prepend(str(tmp_path / "v2"))
     assert task_hash(spec) != leaders
     there = RunConfig.from_wire(run.to_wire())
