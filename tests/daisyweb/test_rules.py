@@ -10,7 +10,6 @@ import pytest
 from daisyweb import rules
 from daisyweb.protocol import wire
 
-
 NO_TASK = {"task": "", "task_hash": "", "task_config": {}}  # the built-in GPT's run
 
 def test_bounds_are_the_wire_configs() -> None:
