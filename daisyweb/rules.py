@@ -48,6 +48,7 @@ __all__ = [
     "rounds_fit",
     "is_lower_hex",
     "check_task",
+    "parse_task_setting",
     "MAX_TASK_NAME",
     "TASK_SPEC",
     "TASK_FIELD",
@@ -267,6 +268,25 @@ def check_task(task: Any, task_hash: Any, task_config: Any) -> None:
         if type(value) not in (int, float) or (type(value) is float
                                                 and not math.isfinite(value)):
             raise ValueError(f"task setting {name} must be a finite number")
+
+
+def parse_task_setting(text: str) -> tuple[str, int | float]:
+    """``NAME=VALUE`` of ``--task-set``: an integer, else a finite number (the task checks
+    the name and bounds); ValueError saying why not."""
+    name, sep, value = text.partition("=")
+    if not sep or not name:
+        raise ValueError(f"expected NAME=VALUE, got {text!r}")
+    try:
+        return name, int(value)
+    except ValueError:
+        pass
+    try:
+        number = float(value)
+    except ValueError:
+        raise ValueError(f"{name}: expected a number, got {value!r}") from None
+    if not math.isfinite(number):
+        raise ValueError(f"{name}: expected a finite number, got {value!r}")
+    return name, number
 
 
 _LOWER_HEX = re.compile(r"[0-9a-f]+")

@@ -23,9 +23,12 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import IO
 
+import numpy as np
+
 from daisyweb.checkpoints.checkpoint import CheckpointError, TokenizerInfo
 from daisyweb.data import BatchSampler, builtin_tokens, default_tokenizer
-from daisyweb.rules import CODEC_NAMES, COMPUTE_NAMES
+from daisyweb.rules import CODEC_NAMES, COMPUTE_NAMES, parse_task_setting
+from daisyweb.tasks import run_fields
 from daisyweb.training.config import DEFAULTS, RunConfig, run_config
 from daisyweb.training.loop import train_local
 from daisyweb.training.metrics import MetricsWriter, Progress, kernel_line, kernel_report
@@ -68,6 +71,11 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--compute", choices=COMPUTE_NAMES,
                    help="the forward GEMMs: the verified int8 kernels or plain float32 "
                         f"(default {DEFAULTS['compute']})")
+    p.add_argument("--task", metavar="MODULE:NAME",
+                   help="train a task of your own instead of the built-in GPT "
+                        "(docs/tasks.md; e.g. daisyweb.tasks.teacher:Teacher)")
+    p.add_argument("--task-set", action="append", type=_task_setting, metavar="NAME=VALUE",
+                   help="a setting of --task (repeatable)")
     p.add_argument("--capacity", choices=("on", "off"), default="on",
                    help="faster peers take a bigger share of each step's sequences "
                         "(default on)")
@@ -86,14 +94,22 @@ def _parser() -> argparse.ArgumentParser:
     return p
 
 
+def _task_setting(text: str) -> tuple[str, int | float]:
+    try:
+        return parse_task_setting(text)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+
+
 def _run_config(args: argparse.Namespace, parser: argparse.ArgumentParser) -> RunConfig:
     vocab = default_tokenizer().vocab_size
-    try:
+    try:  # tasks.TaskError is a ValueError
+        task = run_fields(args.task, dict(args.task_set or []))
         return run_config(vocab, width=args.width, layers=args.layers, heads=args.heads,
                           seq=args.seq, batch=args.batch, steps=args.steps, lr=args.lr,
                           seed=args.seed, data="builtin", sync_every=args.sync_every,
                           codec=args.codec, outer_lr=args.outer_lr, overlap=args.overlap,
-                          compute=args.compute, sync_max=args.sync_max)
+                          compute=args.compute, sync_max=args.sync_max, **task)
     except ValueError as exc:
         parser.error(str(exc))
         raise  # unreachable: parser.error exits
@@ -102,11 +118,17 @@ def _run_config(args: argparse.Namespace, parser: argparse.ArgumentParser) -> Ru
 def run_single(args: argparse.Namespace, run: RunConfig) -> int:
     tok = default_tokenizer()
     info = TokenizerInfo(tok.vocab_size, tok.file_hash)
-    sampler = BatchSampler(builtin_tokens(), batch=run.batch, seq=run.model.seq,
-                           seed=run.seed, peer="demo-0")
+    if run.task:
+        def sample(step: int) -> np.ndarray:
+            return run.task_impl.batch(run.seed, step, "demo-0", run.batch)
+        data = f"task {run.task}"
+    else:
+        sample = BatchSampler(builtin_tokens(), batch=run.batch, seq=run.model.seq,
+                              seed=run.seed, peer="demo-0").sample
+        data = "built-in corpus"
     state = TrainState.fresh(run)
     print(f"daisyweb-demo: 1 peer, {state.size:,} parameters, {run.steps} steps, "
-          f"built-in corpus, kernels backend {_backend()}", flush=True)
+          f"{data}, kernels backend {_backend()}", flush=True)
     try:
         metrics = MetricsWriter(args.metrics)
     except OSError as exc:
@@ -124,7 +146,7 @@ def run_single(args: argparse.Namespace, run: RunConfig) -> int:
               file=sys.stderr, flush=True)
 
     try:
-        train_local(state, sampler.sample, tokenizer=info, save=args.save,
+        train_local(state, sample, tokenizer=info, save=args.save,
                     save_every=args.save_every, metrics=metrics,
                     progress=Progress(run.steps), on_save_error=save_failed)
     except KeyboardInterrupt:
@@ -240,6 +262,10 @@ def peer_commands(args: argparse.Namespace, run: RunConfig, server: str,
         "--outer-lr", repr(run.outer_lr), "--overlap", str(run.overlap),
         "--sync-max", str(run.sync_max),
         "--compute", run.compute, "--capacity", args.capacity]
+    if run.task:
+        leader += ["--task", run.task]
+        for name, value in run.task_config:
+            leader += ["--task-set", f"{name}={value!r}"]
     if args.save:
         leader += ["--save", args.save]
         if args.save_every:
@@ -332,6 +358,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         parser.error("--save-every needs --save and must be >= 0")
     if args.eval_every < 0:
         parser.error("--eval-every must be >= 0")
+    if args.task_set and not args.task:
+        parser.error("--task-set needs --task")
+    if args.task and args.save:
+        parser.error("--save holds the built-in GPT's checkpoints, not a --task run's")
     if args.save and not Path(args.save).resolve().parent.is_dir():
         parser.error(f"--save: directory of {args.save} does not exist")
     run = _run_config(args, parser)

@@ -46,6 +46,7 @@ from daisyweb.rules import (
     default_overlap,
     default_sync_max,
     overlap_fits,
+    parse_task_setting,
     rounds_fit,
 )
 from signaling.protocol import ROOM_RULE, valid_room  # the server's own room rule
@@ -103,21 +104,10 @@ def _run_flag(name: str) -> Callable[[str], int | float]:
 
 
 def _task_setting(text: str) -> tuple[str, int | float]:
-    """``NAME=VALUE`` of ``--task-set``: an integer, else a number (the task checks it)."""
-    name, sep, value = text.partition("=")
-    if not sep or not name:
-        raise argparse.ArgumentTypeError(f"expected NAME=VALUE, got {text!r}")
     try:
-        return name, int(value)
-    except ValueError:
-        pass
-    try:
-        number = float(value)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{name}: expected a number, got {value!r}") from None
-    if number != number or number in (float("inf"), float("-inf")):
-        raise argparse.ArgumentTypeError(f"{name}: expected a finite number, got {value!r}")
-    return name, number
+        return parse_task_setting(text)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
 
 
 def _positive_float(text: str) -> float:

@@ -27,7 +27,6 @@ from collections import Counter, deque
 from collections.abc import Callable, Collection, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
 
 from daisyweb.checkpoints.checkpoint import (
     CheckpointError,
@@ -41,6 +40,7 @@ from daisyweb.peer.items import Interrupt, Item, MeshItem
 from daisyweb.peer.options import PeerError, PeerOptions, log
 from daisyweb.peer.pieces import Download, PieceError, PlanStale
 from daisyweb.protocol import wire
+from daisyweb.tasks import run_fields
 from daisyweb.training.config import RunConfig, run_config
 from daisyweb.training.state import TrainState
 
@@ -68,7 +68,7 @@ def leader_state(opts: PeerOptions, tokinfo: TokenizerInfo) -> TrainState:
         return _resumed_state(opts, tokinfo)
     m = opts.model or {}
     try:
-        task = named_task(opts.task, opts.task_config)
+        task = run_fields(opts.task, opts.task_config)
         run = run_config(tokinfo.vocab_size, **m, batch=opts.batch, steps=opts.steps,
                          lr=opts.lr, seed=opts.seed, data="server",
                          sync_every=opts.sync_every, codec=opts.codec, outer_lr=opts.outer_lr,
@@ -79,19 +79,6 @@ def leader_state(opts: PeerOptions, tokinfo: TokenizerInfo) -> TrainState:
         reason = str(exc).removeprefix("bad run config: ")
         raise PeerError(2, f"bad run config: {reason}") from None
     return state
-
-
-def named_task(spec: str | None, config: dict[str, int | float] | None) -> dict[str, Any]:
-    """The run config's task fields of ``--task`` and ``--task-set`` (none: the built-in
-    GPT): the task loaded here, its code hashed, its settings checked."""
-    if not spec:
-        return {}
-    from daisyweb.tasks import check_task_config, load_task, task_hash
-
-    cls = load_task(spec)
-    settings = check_task_config(cls, config or {})
-    return {"task": spec, "task_hash": task_hash(spec),
-            "task_config": tuple(sorted(settings.items()))}
 
 
 def _resumed_state(opts: PeerOptions, tokinfo: TokenizerInfo) -> TrainState:

@@ -12,8 +12,9 @@ from daisyweb.tasks.base import (
     TaskError,
     check_task_config,
     load_task,
+    run_fields,
     task_hash,
 )
 
 __all__ = ["MAX_TASK_FIELDS", "FieldSpec", "Task", "TaskError", "check_task_config",
-           "load_task", "task_hash"]
+           "load_task", "run_fields", "task_hash"]

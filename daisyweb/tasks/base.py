@@ -29,7 +29,7 @@ import numpy as np
 from daisyweb.rules import MAX_TASK_FIELDS, MAX_TASK_NAME, TASK_FIELD, TASK_SPEC
 
 __all__ = ["MAX_TASK_FIELDS", "FieldSpec", "Task", "TaskError", "check_task_config",
-           "load_task", "task_hash"]
+           "load_task", "run_fields", "task_hash"]
 
 
 
@@ -147,3 +147,15 @@ def task_hash(spec: str) -> str:
     h = hashlib.blake2b(digest_size=32)
     h.update(spec.encode() + b"\x00" + source)
     return h.hexdigest()
+
+
+def run_fields(spec: str | None, settings: Mapping[str, Any] | None) -> dict[str, Any]:
+    """The run config's task fields for ``--task spec`` and its ``--task-set`` values
+    (none: the built-in GPT, no fields): the task loaded here, its code hashed, its
+    settings checked (TaskError saying why not)."""
+    if not spec:
+        return {}
+    cls = load_task(spec)
+    checked = check_task_config(cls, settings or {})
+    return {"task": spec, "task_hash": task_hash(spec),
+            "task_config": tuple(sorted(checked.items()))}
