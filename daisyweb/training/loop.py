@@ -102,7 +102,7 @@ def train_local(
             loss, grad = state.gradient(batch)
             state.apply(average_in_roster_order([check_gradient(grad, state.size)]))
             compute_s = time.perf_counter() - t0
-            tokens = int(batch.shape[0] * (batch.shape[1] - 1))
+            tokens = int(batch.shape[0]) * run.task_impl.ROW_TOKENS  # GPT: seq a row
             tokens_per_s = progress.update(step, loss, tokens) if progress else (
                 tokens / compute_s if compute_s > 0 else 0.0)
             saving = bool(save and save_every and step % save_every == 0)

@@ -338,3 +338,27 @@ def test_demo_passes_transport_to_every_peer_only_when_asked() -> None:
                 assert "--transport" not in cmd
             else:
                 assert cmd[cmd.index("--transport") + 1] == want
+
+
+def test_demo_trains_a_task_alone(tmp_path, capsys) -> None:
+    metrics = tmp_path / "m.jsonl"
+    code = demo.main(["--peers", "1", "--steps", "20", "--lr", "0.02", "--task",
+                      "daisyweb.tasks.teacher:Teacher", "--task-set", "hidden=8",
+                      "--metrics", str(metrics)])
+    assert code == 0
+    assert "task daisyweb.tasks.teacher:Teacher" in capsys.readouterr().out
+    losses = [json.loads(x)["loss"] for x in metrics.read_text().splitlines()[:-1]]
+    assert len(losses) == 20 and sum(losses[-5:]) < 0.5 * sum(losses[:5])
+
+
+@pytest.mark.parametrize("flags,why", [
+    (["--task-set", "hidden=8"], "--task-set needs --task"),
+    (["--task", "daisyweb.tasks.teacher:Teacher", "--save", "x.pt"], "not a --task run's"),
+    (["--task", "daisyweb.tasks.teacher:Teacher", "--task-set", "width=8"],
+     "no setting 'width'"),
+    (["--task", "nosuchmodule:Task"], "cannot import nosuchmodule"),
+])
+def test_demo_task_flags_are_checked(capsys, flags, why) -> None:
+    with pytest.raises(SystemExit) as exc:
+        demo.main(["--peers", "1", *flags])
+    assert exc.value.code == 2 and why in capsys.readouterr().err
