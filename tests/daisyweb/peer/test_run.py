@@ -592,7 +592,6 @@ def test_not_admitted_within_join_timeout_exits_non_zero(server: str) -> None:
 
 def _decide_on_dashboard(link: str, approve: bool, timeout: float = 30) -> None:
     """Act as the host's browser: find the waiting peer, then POST the decision."""
-    import re
     import urllib.request
     from urllib.parse import parse_qs, urlsplit
 
@@ -886,7 +885,7 @@ def test_rounds_the_leader_lengthens_for_the_exchange_stay_identical_and_replay(
     """--sync-every 2 --sync-max 8: on loopback a tiny model's step takes far less than an
     exchange, so the leader names longer rounds (``protocol.pace``). Every member trains
     the lengths named, the boundaries agree, and the oracle fed those lengths gives the
-    group's hashes; the progress line says why a round is long."""
+    group's hashes."""
     paced_run = [*TINY, "--sync-every", "2", "--sync-max", "8", "--codec", "int8"]
     lead = group.leader(*paced_run, "--steps", "40", "--wait-peers", "2")
     a = group.spawn("a")
@@ -895,7 +894,9 @@ def test_rounds_the_leader_lengthens_for_the_exchange_stay_identical_and_replay(
     assert lengths[0] == 2 and max(lengths) > 2 and all(n <= 8 for n in lengths), lengths
     assert sum(lengths) == 40 and [r["round_steps"] for r in a.steps()] == lengths
     assert all(r["mode"] == "rounds H=2-8 int8" for r in lead.steps())
-    assert re.search(r"round \d+/\d+  \d+ steps \(exchange \d+\)", lead.log.read_text())
+    # (the progress line's note on a lengthened round: test_peer_status, round_note; the
+    # line itself is printed about once a second, so a given round's may not be)
+    assert "rounds H=2-8 int8" in lead.log.read_text()
     hashes = same_hashes(lead, a)
     assert hashes == round_oracle(group, lead)
     assert {p.end()["weight_hash"] for p in (lead, a)} == {hashes[-1]}
@@ -1097,7 +1098,6 @@ CAPACITY = [*TINY[:8], "--batch", "4", *TINY[10:], "--sync-every", "4", "--sync-
 
 def _room_view(leader: Peer) -> dict:
     """The group detail through the host's dashboard link the leader printed."""
-    import re
     import urllib.request
     from urllib.parse import parse_qs, urlsplit
 
