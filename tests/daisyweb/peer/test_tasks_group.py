@@ -44,10 +44,10 @@ def test_a_member_whose_task_code_differs_refuses_the_run(group: Group,
         where.mkdir()
         (where / "linetask.py").write_text(MINIMAL.replace("2.0)}", f"{slope})}}"))
     path = os.environ.get("PYTHONPATH", "")
+    # --wait-peers 2: the other peer is offered the state before step 0 and refuses it
     lead = group.leader("--task", "linetask:Line", "--sync-every", "1", "--codec", "f32",
-                        "--steps", "60", "--batch", "2",
-                        env={"PYTHONPATH": f"{tmp_path / 'v1'}{os.pathsep}{path}",
-                             "DAISYWEB_TEST_STEP_DELAY": "0.1"})
+                        "--steps", "6", "--batch", "2", "--wait-peers", "2",
+                        env={"PYTHONPATH": f"{tmp_path / 'v1'}{os.pathsep}{path}"})
     other = group.spawn("other", env={"PYTHONPATH": f"{tmp_path / 'v2'}{os.pathsep}{path}"})
     assert other.wait() == 1, group.logs()
     assert "task linetask:Line differs here" in other.log.read_text()
