@@ -24,7 +24,7 @@ def test_a_paused_follower_is_timed_and_the_group_ends_with_one_hash(tmp_path: P
     before = RESULTS.read_text() if RESULTS.exists() else None
     t0 = time.monotonic()
     rep = churn.main(["--quick", "--peers", "4", "--minutes", "0.5", "--fault-every", "16",
-                      "--faults", "follower-stop-10", "--baseline-minutes", "0.2",
+                      "--faults", "follower-stop-10", "--baseline-minutes", "0.1",
                       "--drain-minutes", "0.5", "--skip-startup", "--out", str(tmp_path)])
     wall = time.monotonic() - t0
     assert rep.faulty is not None
