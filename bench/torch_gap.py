@@ -81,7 +81,7 @@ def _per_tensor(cfg, a: np.ndarray, b: np.ndarray) -> dict[str, tuple[float, flo
     return out
 
 
-def one(kind: str, steps: int) -> dict:
+def one(kind: str, steps: int, seed: int = 0) -> dict:
     """Train one run in this process: its held-out curve (and, for ``float``, the
     per-tensor gradient comparisons)."""
     import torch
@@ -94,7 +94,7 @@ def one(kind: str, steps: int) -> dict:
 
     torch.set_num_threads(1)
     tok = default_tokenizer()
-    run = run_config(tok.vocab_size, steps=steps, sync_every=1, codec="f32",
+    run = run_config(tok.vocab_size, steps=steps, sync_every=1, codec="f32", seed=seed,
                      compute="int8" if kind == "int8" else "float")
     state = TrainState.fresh(run)
     cfg = run.model
@@ -137,16 +137,19 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--steps", type=int, default=600)
     ap.add_argument("--one", choices=KINDS, help=argparse.SUPPRESS)
+    ap.add_argument("--seed", type=int, default=0, help="the run's seed: initial weights "
+                    "and batches (default 0)")
     ap.add_argument("--no-write", action="store_true", help="print only")
     a = ap.parse_args()
     if a.one:
-        print(json.dumps(one(a.one, a.steps)))
+        print(json.dumps(one(a.one, a.steps, a.seed)))
         return
     env = dict(os.environ, OPENBLAS_NUM_THREADS="1", OMP_NUM_THREADS="1")
 
     def run(kind: str, core: int) -> dict:
         out = subprocess.run(["taskset", "-c", str(core), sys.executable, "-m",
-                              "bench.torch_gap", "--one", kind, "--steps", str(a.steps)],
+                              "bench.torch_gap", "--one", kind, "--steps", str(a.steps),
+                              "--seed", str(a.seed)],
                              cwd=ROOT, env=env, check=True, capture_output=True, text=True)
         return json.loads(out.stdout)
 
@@ -175,7 +178,7 @@ def main() -> None:
     section = [
         "## daisyweb against PyTorch autograd (bench.torch_gap)",
         "",
-        f"`python -m bench.torch_gap --steps {a.steps}` -- {machine()}; "
+        f"`python -m bench.torch_gap --steps {a.steps} --seed {a.seed}` -- {machine()}; "
         f"{time.time() - t0:.0f} s. One peer, default model, batch and lr, the same initial "
         "weights and batches of the built-in corpus for every run, two processes at a "
         "time pinned to cores 0 and 1 (one BLAS and one torch thread each); held-out "
