@@ -229,3 +229,19 @@ def test_a_lone_run_hashes_where_a_group_would_and_each_hash_is_its_steps(
         alone = TrainState.fresh(run(step))
         train_local(alone, _fixed_batch, tokenizer=TOK)
         assert hashed[step] == alone.weight_hash()
+
+
+def test_a_checkpoint_naming_no_longest_round_had_rounds_of_exactly_sync_every() -> None:
+    import dataclasses as dc
+
+    from daisyweb.data import default_tokenizer
+    from daisyweb.training.config import run_config
+
+    tok = default_tokenizer()
+    run = run_config(tok.vocab_size, width=16, layers=1, heads=2, seq=8, steps=8,
+                     sync_every=4, overlap=4)
+    assert run.sync_max == 16  # today's default: 4x
+    ckpt = TrainState.fresh(run).checkpoint(TokenizerInfo(tok.vocab_size, tok.file_hash))
+    assert RunConfig.from_checkpoint(ckpt) == run
+    old = dc.replace(ckpt, run={k: v for k, v in ckpt.run.items() if k != "sync_max"})
+    assert RunConfig.from_checkpoint(old).sync_max == 4
