@@ -1,7 +1,8 @@
 // daisyweb's exchange arithmetic in plain JavaScript: what every member of a group must
 // compute to the bit from the exchanged bytes (issue 40's first part, for a browser peer).
 //
-//  - decode: the codecs' payloads (daisyweb/protocol/codec.py: f32, int8, int4, int2) to
+//  - decode: the codecs' payloads (daisyweb/protocol/codec.py: f32, int8, int4, int2,
+//    sparse) to
 //    float32, refusing what the Python decoder refuses (a wrong length, NaN/Inf, negative,
 //    subnormal or too large scales, reserved codes, non-zero padding);
 //  - squaredNorm and clipFactors: bounded influence (daisyweb/protocol/influence.py): the
@@ -28,11 +29,22 @@
     int8: { block: 256, bits: 8 },
     int4: { block: 64, bits: 4 },
     int2: { block: 64, bits: 2 },
+    sparse: { block: 256, keep: 32 }, // per block: k indices, then k int2 codes
   };
 
   class ExchangeError extends Error {}
 
+  function sparseRecord(length) {
+    const k = Math.min(CODECS.sparse.keep, length);
+    return k + Math.ceil(k / 4);
+  }
+
   function valuesSize(codec, size) {
+    if (codec === "sparse") {
+      const block = CODECS.sparse.block;
+      const rest = size % block;
+      return Math.floor(size / block) * sparseRecord(block) + (rest ? sparseRecord(rest) : 0);
+    }
     return Math.ceil((size * CODECS[codec].bits) / 8);
   }
 
@@ -73,10 +85,41 @@
       scales[b] = s;
     }
     const raw = bytes.subarray(4 * nb);
+    if (codec === "sparse") return decodeSparse(raw, scales, size, who);
     for (let i = 0; i < size; i++) {
       out[i] = code(codec, raw, i, who) * scales[Math.floor(i / block)];
     }
     checkPadding(codec, raw, size, who);
+    return out;
+  }
+
+  // SparseCodec: block b's record holds k strictly increasing in-block indices, then their
+  // int2 codes (padding codes 0); the values not kept are 0.
+  function decodeSparse(raw, scales, size, who) {
+    const { block } = CODECS.sparse;
+    const out = new Float32Array(size);
+    let at = 0;
+    for (let b = 0, lo = 0; lo < size; b++, lo += block) {
+      const length = Math.min(block, size - lo);
+      const k = Math.min(CODECS.sparse.keep, length);
+      for (let j = 0; j < k; j++) {
+        const index = raw[at + j];
+        if (j > 0 && index <= raw[at + j - 1]) {
+          throw new ExchangeError(`${who}: sparse indices not strictly increasing`);
+        }
+        if (index >= length) {
+          throw new ExchangeError(`${who}: a sparse index past its block's end`);
+        }
+        const level = 2 * ((raw[at + k + (j >> 2)] >> (2 * (j & 3))) & 3) - 3;
+        out[lo + index] = level * scales[b];
+      }
+      for (let j = k; j < 4 * Math.ceil(k / 4); j++) {
+        if ((raw[at + k + (j >> 2)] >> (2 * (j & 3))) & 3) {
+          throw new ExchangeError(`${who}: the sparse padding codes are not 0`);
+        }
+      }
+      at += sparseRecord(length);
+    }
     return out;
   }
 

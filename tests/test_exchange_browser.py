@@ -20,7 +20,7 @@ from daisyweb.training.rounds import outer_step
 from signaling.server import create_app
 from tests.signaling.local_server import serving
 
-CODECS = ("f32", "int8", "int4", "int2")
+CODECS = ("f32", "int8", "int4", "int2", "sparse")
 SIZES = (1, 3, 63, 64, 65, 255, 257, 1000, 4099)
 
 
@@ -83,6 +83,7 @@ async def test_decode_norms_mean_and_outer_step_are_numpys_bits(chromium: Any) -
         # more than one norm chunk (65,536 values), with equal and unequal shares.
         for codec_name, size, shares, lr in [("int2", 70_001, [8, 8, 8], 1.0),
                                             ("int8", 5_000, [3, 9, 4], 0.7),
+                                            ("sparse", 3_000, [5, 2, 9], 1.0),
                                             ("f32", 777, [], 1.0)]:
             codec = codec_by_name(codec_name)
             vectors = [_vector(rng, size) for _ in range(3)]
@@ -138,6 +139,21 @@ def _bad_payloads() -> list[tuple[str, bytes, int, str]]:
     bad = bytearray(good)
     bad[-1] |= 0xC0
     out.append(("int2", bytes(bad), 130, "padding codes"))
+    sparse = codec_by_name("sparse")
+    size = 300  # a block of 256 (32 kept) and a short one of 44 (32 kept)
+    good = bytearray(sparse.encode(_vector(rng, size)))
+    rec = 4 * 2  # the two scales; the first record starts here
+    bad = bytearray(good)
+    bad[rec + 1] = bad[rec]  # a repeated index
+    out.append(("sparse", bytes(bad), size, "indices not increasing"))
+    second = rec + 32 + 8  # the short block's record: 32 indices, 8 code bytes
+    bad = bytearray(good)
+    bad[second + 31] = 44  # past the short block's 44 values
+    out.append(("sparse", bytes(bad), size, "index past the block"))
+    good = bytearray(sparse.encode(_vector(rng, 258)))  # last block 2: 2 kept, 2 padding
+    bad = bytearray(good)
+    bad[-1] |= 0x30
+    out.append(("sparse", bytes(bad), 258, "padding codes"))
     f32 = bytearray(codec_by_name("f32").encode(_vector(rng, 5)))
     f32[4:8] = struct.pack("<f", float("inf"))
     out.append(("f32", bytes(f32), 5, "Inf value"))
