@@ -6,6 +6,7 @@ compute to the bit)."""
 
 from __future__ import annotations
 
+import hashlib
 import struct
 from typing import Any
 
@@ -16,7 +17,7 @@ from playwright.async_api import async_playwright
 from daisyweb.protocol.averaging import GradientError, average_parts_in_roster_order
 from daisyweb.protocol.codec import codec_by_name
 from daisyweb.protocol.influence import clip_factors, squared_norm
-from daisyweb.training.rounds import outer_step
+from daisyweb.training.rounds import outer_step, shared_hash
 from signaling.server import create_app
 from tests.signaling.local_server import serving
 
@@ -63,6 +64,7 @@ async def _run(chromium: Any, checks: Any) -> None:
             page = await ctx.new_page()
             await page.goto(f"{url}/healthz")
             await page.add_script_tag(url=f"{url}/static/exchange.js")
+            await page.add_script_tag(url=f"{url}/static/blake2b.js")
             await checks(page)
         finally:
             await ctx.close()
@@ -172,5 +174,35 @@ async def test_what_the_python_decoder_refuses_is_refused(chromium: Any) -> None
         for codec, payload, size, what in bad:
             why = await page.evaluate(JS_REFUSES, [codec, list(payload), size])
             assert why is not None and "payload" in why, (codec, what, why)
+
+    await _run(chromium, checks)
+
+
+JS_BLAKE2B = """([parts, outlen]) => DaisyBlake2b.blake2b(parts.map((p) => Uint8Array.from(p)),
+                                                         outlen)"""
+JS_SHARED = """([anchor, rounds, inner]) => DaisyBlake2b.sharedHash(
+  new Float32Array(new Uint32Array(anchor).buffer), rounds, inner)"""
+
+
+@pytest.mark.asyncio
+async def test_blake2b_and_the_shared_hash_are_hashlibs(chromium: Any) -> None:
+    """The hash a browser member publishes at a boundary (``rounds.shared_hash``) and its
+    BLAKE2b under it: every length around the 128-byte block, split across parts, 32- and
+    64-byte digests, and counts beyond 2**32."""
+    rng = np.random.default_rng(7)
+
+    async def checks(page: Any) -> None:
+        for n in (0, 1, 3, 127, 128, 129, 255, 256, 257, 1000, 70_000):
+            data = rng.integers(0, 256, n, dtype=np.uint8).tobytes()
+            for outlen in (32, 64):
+                want = hashlib.blake2b(data, digest_size=outlen).hexdigest()
+                cut = n // 3
+                got = await page.evaluate(JS_BLAKE2B, [[list(data[:cut]), list(data[cut:])],
+                                                       outlen])
+                assert got == want, (n, outlen)
+        for size, rounds, inner in [(1, 0, 0), (777, 3, 48), (70_001, 2**33 + 5, 2**40 + 7)]:
+            anchor = rng.standard_normal(size).astype(np.float32)
+            got = await page.evaluate(JS_SHARED, [_bits(anchor), rounds, inner])
+            assert got == shared_hash(anchor, rounds, inner), (size, rounds, inner)
 
     await _run(chromium, checks)
