@@ -73,5 +73,9 @@ def test_a_shaped_group_of_four_sends_fewer_bytes_on_the_owner_exchange(tmp_path
     assert not rows["all"].owners and rows["owner"].owners
     assert 2.9 < rows["all"].sent / payload < 3.3  # three others
     assert 1.4 < rows["owner"].sent / payload < 1.7  # 3/4 of it out, a mean part to three
-    for r in rows.values():  # the interfaces carried the peers' frames, and headers
-        assert r.iface_tx is not None and 1.0 < r.iface_tx < 1.5
+    # The interfaces carried the peers' frames (and headers). Their count starts at the
+    # poll after a peer's first round record, the peers' own at the record: what a peer
+    # sent in between (up to a round's bytes) only the peers count, so the ratio may dip
+    # below 1 (0.94 seen once in a clean-clone CI run).
+    for r in rows.values():
+        assert r.iface_tx is not None and 0.8 < r.iface_tx < 1.5
