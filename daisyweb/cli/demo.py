@@ -26,8 +26,9 @@ from typing import IO
 import numpy as np
 
 from daisyweb.checkpoints.checkpoint import CheckpointError, TokenizerInfo
+from daisyweb.cli.peer import task_setting
 from daisyweb.data import BatchSampler, builtin_tokens, default_tokenizer
-from daisyweb.rules import CODEC_NAMES, COMPUTE_NAMES, parse_task_setting
+from daisyweb.rules import CODEC_NAMES, COMPUTE_NAMES
 from daisyweb.tasks import run_fields
 from daisyweb.training.config import DEFAULTS, RunConfig, run_config
 from daisyweb.training.loop import train_local
@@ -74,7 +75,7 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--task", metavar="MODULE:NAME",
                    help="train a task of your own instead of the built-in GPT "
                         "(docs/tasks.md; e.g. daisyweb.tasks.teacher:Teacher)")
-    p.add_argument("--task-set", action="append", type=_task_setting, metavar="NAME=VALUE",
+    p.add_argument("--task-set", action="append", type=task_setting, metavar="NAME=VALUE",
                    help="a setting of --task (repeatable)")
     p.add_argument("--capacity", choices=("on", "off"), default="on",
                    help="faster peers take a bigger share of each step's sequences "
@@ -92,13 +93,6 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--port", type=int, default=8787,
                    help="signaling/dashboard port for --peers >= 2 (default 8787; 0 = any)")
     return p
-
-
-def _task_setting(text: str) -> tuple[str, int | float]:
-    try:
-        return parse_task_setting(text)
-    except ValueError as exc:
-        raise argparse.ArgumentTypeError(str(exc)) from None
 
 
 def _run_config(args: argparse.Namespace, parser: argparse.ArgumentParser) -> RunConfig:

@@ -103,7 +103,8 @@ def _run_flag(name: str) -> Callable[[str], int | float]:
     return parse
 
 
-def _task_setting(text: str) -> tuple[str, int | float]:
+def task_setting(text: str) -> tuple[str, int | float]:
+    """``--task-set NAME=VALUE`` as an argparse type (daisyweb-peer's and daisyweb-demo's)."""
     try:
         return parse_task_setting(text)
     except ValueError as exc:
@@ -143,7 +144,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="leader: what the group trains, a daisyweb.tasks.Task importable "
                         "on every member with the same code (default: the built-in GPT; "
                         "e.g. daisyweb.tasks.teacher:Teacher; docs/tasks.md)")
-    p.add_argument("--task-set", action="append", type=_task_setting, default=None,
+    p.add_argument("--task-set", action="append", type=task_setting, default=None,
                    metavar="NAME=VALUE", help="leader: a setting of --task (repeatable)")
     p.add_argument("--capacity", choices=("on", "off"), default=None,
                    help="leader: give faster members a bigger share of each step's (or "

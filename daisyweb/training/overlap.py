@@ -43,12 +43,11 @@ def head_steps(exchange_s: float | None, step_s: float | None, limit: int) -> in
     ``exchange_s``: how long this member's last exchanges took (contribution ready to
     round committed); ``step_s``: its compute seconds per inner step; None: not measured
     yet, then ``FIRST_HEAD`` steps."""
-    cap = limit
-    if cap <= 0:
+    if limit <= 0:
         return 0
     if exchange_s is None or step_s is None or step_s <= 0.0 or not math.isfinite(exchange_s):
-        return min(cap, FIRST_HEAD)
-    return max(1, min(cap, math.ceil(MARGIN * max(exchange_s, 0.0) / step_s)))
+        return min(limit, FIRST_HEAD)
+    return max(1, min(limit, math.ceil(MARGIN * max(exchange_s, 0.0) / step_s)))
 
 
 @dataclass
