@@ -361,10 +361,6 @@ def main(argv: Sequence[str] | None = None) -> int:
     run = _run_config(args, parser)
     if args.peers == 1:
         return run_single(args, run)
-    try:
-        import daisyweb.cli.peer  # noqa: F401
-    except ImportError:
-        parser.error("--peers above 1 needs the peer (daisyweb-peer), not available yet")
     return run_group(args, run)
 
 
